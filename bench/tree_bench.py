@@ -1,0 +1,101 @@
+"""CPU micro-benchmark of RadixPrefixCache.match_prefix / insert_prefix on shared-prefix prompts.
+
+Builds `--groups` random shared prefixes, then for `--prompts` prompts (prefix + unique suffix) times one
+match_prefix and one insert_prefix each. Not a test: run `python bench/tree_bench.py [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
+
+
+def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: int, vocab: int,
+        seed: int) -> dict:
+    """Runs the benchmark and returns per-call timings (µs) and tree sizes."""
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab, prefix_len, dtype=np.int64) for _ in range(groups)]
+    length = (prefix_len + suffix_len) // page_size * page_size
+    tree = RadixPrefixCache(page_size=page_size)
+    next_slot = 0
+    match_us, insert_us, indices_us, cached = [], [], [], []
+    for i in range(prompts):
+        prompt = np.concatenate([prefixes[i % groups], rng.integers(0, vocab, suffix_len, dtype=np.int64)])
+        prompt = prompt[:length]
+        t0 = time.perf_counter()
+        handle = tree.match_prefix(prompt)
+        t1 = time.perf_counter()
+        matched = handle.matched_indices()
+        t2 = time.perf_counter()
+        new = np.arange(next_slot, next_slot + length - handle.cached_len, dtype=np.int64)
+        next_slot += len(new)
+        slots = np.concatenate([matched, new])
+        t3 = time.perf_counter()
+        tree.insert_prefix(prompt, slots)
+        t4 = time.perf_counter()
+        match_us.append((t1 - t0) * 1e6)
+        indices_us.append((t2 - t1) * 1e6)
+        insert_us.append((t4 - t3) * 1e6)
+        cached.append(handle.cached_len)
+
+    def stats(xs: list[float]) -> dict:
+        a = np.asarray(xs)
+        return {"median_us": float(np.median(a)), "mean_us": float(a.mean()),
+                "p99_us": float(np.percentile(a, 99))}
+
+    # The first `groups` prompts miss; report steady state over the rest too.
+    warm = slice(groups, None)
+    return {
+        "config": {"groups": groups, "prompts": prompts, "prefix_len": prefix_len, "suffix_len": suffix_len,
+                   "prompt_len": length, "page_size": page_size, "vocab": vocab, "seed": seed},
+        "machine": {"python": platform.python_version(), "numpy": np.__version__,
+                    "cpu": platform.processor() or platform.machine()},
+        "match_prefix": stats(match_us[warm]),
+        "matched_indices": stats(indices_us[warm]),
+        "insert_prefix": stats(insert_us[warm]),
+        "mean_cached_len": float(np.mean(cached[warm])),
+        "tree_tokens": tree.size_info.total_size,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=10_000)
+    ap.add_argument("--prefix-len", type=int, default=2048)
+    ap.add_argument("--suffix-len", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=1)
+    ap.add_argument("--vocab", type=int, default=32_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    res = run(args.groups, args.prompts, args.prefix_len, args.suffix_len, args.page_size, args.vocab,
+              args.seed)
+    res["wall_s"] = time.perf_counter() - t0
+    cfg = res["config"]
+    print(f"radix tree bench: {cfg['prompts']} prompts x {cfg['prompt_len']} tokens, {cfg['groups']} groups, "
+          f"shared prefix {cfg['prefix_len']}, page_size {cfg['page_size']}, "
+          f"mean cached {res['mean_cached_len']:.0f}, tree {res['tree_tokens']} tokens")
+    print(f"{'op':<16}{'median µs':>12}{'mean µs':>12}{'p99 µs':>12}")
+    for op in ("match_prefix", "matched_indices", "insert_prefix"):
+        s = res[op]
+        print(f"{op:<16}{s['median_us']:>12.1f}{s['mean_us']:>12.1f}{s['p99_us']:>12.1f}")
+    print(f"wall {res['wall_s']:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

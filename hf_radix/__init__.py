@@ -1,0 +1,35 @@
+"""hf_radix: SGLang-style radix prefix caching for Hugging Face transformers.
+
+Importing the package registers the "radix" attention and `cache_implementation="radix"`.
+"""
+
+from .attention import register as _register_attention
+from .cache_utils import RadixCache, register_generate_support
+from .engine import RadixEngine, configure, get_engine
+from .radix_tree import IntegrityError
+from .request import RequestOutput
+from .sampling import SamplingParams
+from .scheduler import RadixBatchRunner, RunnerStats
+
+__all__ = [
+    "IntegrityError",
+    "RadixBatchRunner",
+    "RadixCache",
+    "RadixEngine",
+    "RequestOutput",
+    "RunnerStats",
+    "SamplingParams",
+    "cache_stats",
+    "configure",
+    "get_engine",
+]
+__version__ = "0.1.0"
+
+
+def cache_stats(model) -> dict:
+    """Prefix-reuse statistics of the model's engine: prompt, cached and computed tokens, hit rate, evictions."""
+    return get_engine(model).stats_dict()
+
+
+_register_attention()
+register_generate_support()

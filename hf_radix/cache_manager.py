@@ -1,0 +1,217 @@
+"""Free pages, per-request page-table rows, and the radix tree bookkeeping that ties them together."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when an allocation cannot be satisfied even after evicting everything evictable."""
+
+
+@dataclass
+class _Row:
+    """A running request's page-table row: the slots of its tokens and the lock on its cached prefix."""
+
+    handle: MatchHandle
+    slots: np.ndarray  # slot index of every token position that has a page; len == allocated length
+
+    @property
+    def allocated_len(self) -> int:
+        return len(self.slots)
+
+
+class CacheManager:
+    """Owns the free-page list, the request table and the prefix tree; enforces the request lifecycle.
+
+    Lifecycle per request: `match` → `lock` → `open_row` → `allocate` (evicts on shortfall) → forward →
+    `cache_req(finished=False)` after prefill → … → `cache_req(finished=True)` (finish or abort alike).
+    Slots a row owns are `slots[handle.cached_len:]`; the prefix before that belongs to the tree.
+    """
+
+    def __init__(self, num_pages: int, page_size: int = 1):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.tree = RadixPrefixCache(page_size)
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self._free = np.arange(num_pages, dtype=np.int64) * page_size  # first slot of each free page
+        self._rows: dict[int, _Row] = {}
+        self._next_row = 0
+        self._lazy_frees: list[np.ndarray] | None = None
+        self.evicted_tokens = 0
+
+    # -- sizes ---------------------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def available_size(self) -> int:
+        """Tokens that can be allocated now: free pages plus what eviction could reclaim."""
+        return len(self._free) * self.page_size + self.tree.size_info.evictable_size
+
+    @property
+    def num_rows(self) -> int:
+        return len(self._rows)
+
+    def pages_for(self, start: int, end: int) -> int:
+        """Pages a row needs to grow its allocation from `start` to `end` tokens (page-aligned start)."""
+        return max(0, -(-end // self.page_size) - -(-start // self.page_size))
+
+    # -- matching and locking ------------------------------------------------------------------------
+    def match(self, token_ids: Sequence[int] | np.ndarray) -> MatchHandle:
+        """Longest cached prefix of `token_ids[:-1]`: the last token is always recomputed for its logits."""
+        return self.tree.match_prefix(np.asarray(token_ids)[: max(len(token_ids) - 1, 0)])
+
+    def lock(self, handle: MatchHandle) -> None:
+        self.tree.lock(handle)
+
+    def unlock(self, handle: MatchHandle) -> None:
+        self.tree.unlock(handle)
+
+    # -- request rows --------------------------------------------------------------------------------
+    def open_row(self, handle: MatchHandle) -> int:
+        """Creates a page-table row for a request whose locked `handle` covers its cached prefix."""
+        if not handle.locked:
+            raise ValueError("open_row needs a locked handle; lock it first so the prefix cannot be evicted")
+        row = self._next_row
+        self._next_row += 1
+        self._rows[row] = _Row(handle, handle.matched_indices().astype(np.int64, copy=True))
+        return row
+
+    def row_slots(self, row: int) -> np.ndarray:
+        """Slot indices of the row's allocated positions (a view; do not modify)."""
+        return self._rows[row].slots
+
+    def row_cached_len(self, row: int) -> int:
+        """Length of the row's prefix held (and locked) in the tree."""
+        return self._rows[row].handle.cached_len
+
+    def allocate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
+        """Grows each row's allocation to cover `lengths[i]` tokens, evicting from the tree once if needed."""
+        needs = [self.pages_for(self._rows[r].allocated_len, n) for r, n in zip(rows, lengths)]
+        total = sum(needs)
+        if total == 0:
+            return
+        pages = self._take_pages(total)
+        offsets = np.arange(self.page_size, dtype=np.int64)
+        start = 0
+        for row, need in zip(rows, needs):
+            if need == 0:
+                continue
+            state = self._rows[row]
+            new = (pages[start:start + need, None] + offsets).reshape(-1)
+            state.slots = np.concatenate([state.slots, new])
+            start += need
+
+    def cache_req(self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool) -> int:
+        """Inserts the row's first `num_computed` tokens into the tree and moves the lock to the new node.
+
+        Frees the pages the tree already held (duplicates computed concurrently) exactly once; when
+        `finished`, also frees the unaligned tail and every other page the row owns, and closes the row.
+        Returns the length now held by the tree for this request.
+        """
+        state = self._rows[row]
+        if not state.handle.cached_len <= num_computed <= min(state.allocated_len, len(token_ids)):
+            raise ValueError(
+                f"num_computed={num_computed} must lie between the cached prefix ({state.handle.cached_len}) "
+                f"and the row's tokens/allocation ({min(state.allocated_len, len(token_ids))})"
+            )
+        aligned = num_computed - num_computed % self.page_size
+        old = state.handle
+        keys = np.asarray(token_ids[:aligned])
+        present, new = self.tree.insert_prefix(keys, state.slots[:aligned])
+        self.tree.unlock(old)
+        self._release(state.slots[old.cached_len:present])
+        if finished:
+            self._release(state.slots[aligned:])
+            del self._rows[row]
+        else:
+            self.tree.lock(new)
+            state.handle = new
+            if present > old.cached_len:
+                state.slots[:aligned] = new.matched_indices()
+        return new.cached_len
+
+    def release_row(self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int) -> None:
+        """The one exit path for a request (finish, abort or error): keep what is reusable, free the rest."""
+        self.cache_req(row, token_ids, num_computed, finished=True)
+
+    # -- pages ---------------------------------------------------------------------------------------
+    def _take_pages(self, count: int) -> np.ndarray:
+        if count > len(self._free):
+            shortfall = (count - len(self._free)) * self.page_size
+            if shortfall > self.tree.size_info.evictable_size:
+                raise OutOfPagesError(
+                    f"need {count} pages, {len(self._free)} free and "
+                    f"{self.tree.size_info.evictable_size // self.page_size} evictable"
+                )
+            evicted = self.tree.evict(shortfall)
+            self.evicted_tokens += len(evicted)
+            self._free = np.concatenate([self._free, evicted[:: self.page_size]])
+        taken, self._free = self._free[:count], self._free[count:]
+        return taken
+
+    def _release(self, slots: np.ndarray) -> None:
+        """Returns the pages starting in `slots` (page-aligned, whole pages) to the free list."""
+        if len(slots) == 0:
+            return
+        firsts = slots[:: self.page_size].copy()
+        if self._lazy_frees is not None:
+            self._lazy_frees.append(firsts)
+        else:
+            self._free = np.concatenate([self._free, firsts])
+
+    @contextlib.contextmanager
+    def lazy_free_region(self) -> Iterator[None]:
+        """Batches frees made inside the block into one update of the free list at exit."""
+        if self._lazy_frees is not None:
+            yield
+            return
+        self._lazy_frees = []
+        try:
+            yield
+        finally:
+            pending, self._lazy_frees = self._lazy_frees, None
+            if pending:
+                self._free = np.concatenate([self._free, *pending])
+
+    # -- maintenance ---------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Drops the whole prefix cache; only allowed when no request holds a row."""
+        if self._rows:
+            raise RuntimeError(f"cannot reset the cache while {len(self._rows)} requests are running")
+        self.tree.reset()
+        self._free = np.arange(self.num_pages, dtype=np.int64) * self.page_size
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless free + tree + held-by-running-requests pages == total pages."""
+        self.tree.check_integrity()
+        if self._lazy_frees is not None:
+            raise IntegrityError("check_integrity called inside a lazy_free_region")
+        ps = self.page_size
+        tree_pages = self.tree.size_info.total_size // ps
+        owned = [state.slots[state.handle.cached_len:] for state in self._rows.values()]
+        owned_pages = sum(-(-len(s) // ps) for s in owned)
+        if len(self._free) + tree_pages + owned_pages != self.num_pages:
+            raise IntegrityError(
+                f"page leak: free {len(self._free)} + tree {tree_pages} + running {owned_pages} "
+                f"!= total {self.num_pages}"
+            )
+        firsts = np.concatenate([self._free, *(s[::ps] for s in owned)])
+        if ps > 1 and np.any(firsts % ps):
+            raise IntegrityError("a free or owned page does not start at a page boundary")
+        if len(np.unique(firsts)) != len(firsts):
+            raise IntegrityError("a page is both free and owned, or owned twice")
+        for state in self._rows.values():
+            if not state.handle.locked:
+                raise IntegrityError("a running request's prefix is not locked")
+            if not np.array_equal(state.slots[: state.handle.cached_len], state.handle.matched_indices()):
+                raise IntegrityError("a running request's page-table row disagrees with the tree")

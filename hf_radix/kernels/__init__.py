@@ -1,0 +1,27 @@
+"""Custom kernels: Triton paged attention (extend / decode) and the CUDA KV-store kernel.
+
+Submodules are imported lazily so that ``import hf_radix.kernels`` does not pull in triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "extend_attention": "triton_attention",
+    "decode_attention": "triton_attention",
+    "pick_num_kv_splits": "triton_attention",
+    "store_kv": "store",
+    "cuda_store_available": "store",
+    "build_store_kernel": "store",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{mod}"), name)

@@ -1,0 +1,347 @@
+"""Path-compressed radix tree mapping token-id prefixes to KV-pool slot indices (RadixAttention-style).
+
+The tree only stores indices; K/V live in a pool owned elsewhere. Nodes hold a contiguous token segment
+(`key`) and the slots holding its KV (`value`). Locks (`ref_count`) protect the path of an in-flight request;
+unreferenced leaves are evicted in least-recently-used order, where "time" is an operation counter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["IntegrityError", "MatchHandle", "RadixNode", "RadixPrefixCache", "SizeInfo"]
+
+
+class IntegrityError(RuntimeError):
+    """Raised by `RadixPrefixCache.check_integrity` when the tree's bookkeeping is inconsistent."""
+
+
+@dataclass(frozen=True)
+class SizeInfo:
+    """Token counts held by the tree, split by whether any lock protects them."""
+
+    evictable_size: int
+    protected_size: int
+
+    @property
+    def total_size(self) -> int:
+        return self.evictable_size + self.protected_size
+
+
+class RadixNode:
+    """One path-compressed segment: `key` token ids and the slot indices (`value`) holding their KV."""
+
+    __slots__ = ("key", "value", "parent", "children", "ref_count", "last_access", "_queued_tick")
+
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: RadixNode | None, ref_count: int,
+                 last_access: int) -> None:
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[Any, RadixNode] = {}
+        self.ref_count = ref_count
+        self.last_access = last_access
+        self._queued_tick = -1  # last_access value for which an eviction-heap entry was pushed
+
+    def __repr__(self) -> str:
+        return f"RadixNode(len={len(self.key)}, ref_count={self.ref_count}, last_access={self.last_access})"
+
+
+class MatchHandle:
+    """Result of a match/insert: the matched length and the deepest node of the matched path."""
+
+    __slots__ = ("cached_len", "node", "locked", "_cache")
+
+    def __init__(self, cache: RadixPrefixCache, cached_len: int, node: RadixNode) -> None:
+        self._cache = cache
+        self.cached_len = cached_len
+        self.node = node
+        self.locked = False
+
+    def matched_indices(self) -> np.ndarray:
+        """Int64 slot indices of the matched prefix, in sequence order; ValueError if the node was evicted."""
+        parts = self._cache._path_values(self.node)
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate(parts[::-1])
+
+    def __repr__(self) -> str:
+        return f"MatchHandle(cached_len={self.cached_len}, locked={self.locked})"
+
+
+def _as_int_array(x: Any, what: str) -> np.ndarray:
+    """Converts a 1-D int sequence (list, ndarray, CPU torch tensor) to a contiguous int64 array."""
+    if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch tensor, without importing torch
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
+    return np.ascontiguousarray(arr, dtype=np.int64)
+
+
+class RadixPrefixCache:
+    """Radix-tree prefix cache: match, insert, lock/unlock and LRU-evict token prefixes."""
+
+    def __init__(self, page_size: int = 1) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
+            raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        self.page_size = int(page_size)
+        self._tick = 0
+        self._seq = itertools.count()
+        self.reset()
+
+    # ---------------------------------------------------------------- public API
+
+    def reset(self) -> None:
+        """Drops every node; handles taken before become stale (lock/unlock/matched_indices raise)."""
+        empty = np.empty(0, dtype=np.int64)
+        self._root = RadixNode(empty, empty, None, 0, 0)
+        self._evictable = 0
+        self._protected = 0
+        self._num_nodes = 0
+        self._heap: list[tuple[int, int, RadixNode]] = []
+
+    @property
+    def size_info(self) -> SizeInfo:
+        return SizeInfo(self._evictable, self._protected)
+
+    def match_prefix(self, token_ids: Any) -> MatchHandle:
+        """Finds the longest page-aligned cached prefix of `token_ids`; returns an unlocked handle."""
+        ids = _as_int_array(token_ids, "token_ids")
+        node, length = self._walk(ids, self._next_tick())
+        self._maybe_queue(node)
+        return MatchHandle(self, length, node)
+
+    def insert_prefix(self, token_ids: Any, slot_indices: Any) -> tuple[int, MatchHandle]:
+        """Inserts `token_ids` -> `slot_indices`; returns (length already cached, handle at its end).
+
+        The tree keeps its own slots for the already-cached part; the caller frees its duplicates.
+        """
+        ids = _as_int_array(token_ids, "token_ids")
+        slots = _as_int_array(slot_indices, "slot_indices")
+        self._check_insert_args(ids, slots)
+        tick = self._next_tick()
+        node, length = self._walk(ids, tick)
+        if length < len(ids):
+            leaf = RadixNode(ids[length:].copy(), slots[length:].copy(), node, 0, tick)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._evictable += len(leaf.key)
+            self._num_nodes += 1
+            node = leaf
+        self._maybe_queue(node)
+        return length, MatchHandle(self, len(ids), node)
+
+    def lock(self, handle: MatchHandle) -> None:
+        """Protects the handle's path from eviction (ref_count += 1 up to the root)."""
+        self._check_handle(handle)
+        if handle.locked:
+            raise ValueError("handle is already locked")
+        node = handle.node
+        while node is not self._root:
+            if node.ref_count == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.ref_count += 1
+            node = node.parent
+        handle.locked = True
+
+    def unlock(self, handle: MatchHandle) -> None:
+        """Releases a lock taken by `lock(handle)`."""
+        self._check_handle(handle)
+        if not handle.locked:
+            raise ValueError("handle is not locked")
+        node = handle.node
+        while node is not self._root:
+            if node.ref_count <= 0:
+                raise IntegrityError(f"unlock would drive ref_count negative at {node!r}")
+            node = node.parent
+        node = handle.node
+        while node is not self._root:
+            node.ref_count -= 1
+            if node.ref_count == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node = node.parent
+        handle.locked = False
+        self._maybe_queue(handle.node)
+
+    def evict(self, num_tokens: int) -> np.ndarray:
+        """Removes LRU unreferenced leaves until >= `num_tokens` tokens are freed; returns their slots."""
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens > self._evictable:
+            raise ValueError(f"cannot evict {num_tokens} tokens: only {self._evictable} are evictable")
+        freed: list[np.ndarray] = []
+        total = 0
+        heap = self._heap
+        while total < num_tokens:
+            if not heap:
+                raise IntegrityError("eviction heap ran dry before the evictable size was reached")
+            tick, _, node = heapq.heappop(heap)
+            if node.parent is None or tick != node.last_access:
+                continue  # stale entry: node evicted or touched since it was queued
+            if node.ref_count or node.children:
+                node._queued_tick = -1  # re-queued when it becomes an evictable leaf again
+                continue
+            parent = node.parent
+            del parent.children[self._child_key(node.key)]
+            node.parent = None
+            freed.append(node.value)
+            total += len(node.key)
+            self._evictable -= len(node.key)
+            self._num_nodes -= 1
+            self._maybe_queue(parent)
+        return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
+
+    def check_integrity(self) -> None:
+        """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness."""
+        root = self._root
+        if root.parent is not None or len(root.key) or len(root.value) or root.ref_count:
+            raise IntegrityError("root must be empty, parentless and unreferenced")
+        total = protected = evictable_leaves = 0
+        nodes: list[RadixNode] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            child_refs = 0
+            for ckey, child in node.children.items():
+                if child.parent is not node:
+                    raise IntegrityError(f"{child!r} has a wrong parent pointer")
+                self._check_segment(child)
+                if self._child_key(child.key) != ckey:
+                    raise IntegrityError(f"{child!r} is filed under the wrong child key")
+                if node is not root and child.last_access > node.last_access:
+                    raise IntegrityError(f"{child!r} was accessed after its parent {node!r}")
+                child_refs += child.ref_count
+                stack.append(child)
+            if node is root:
+                continue
+            if node.ref_count < child_refs:
+                raise IntegrityError(f"{node!r} has ref_count below the sum of its children's ({child_refs})")
+            nodes.append(node)
+            total += len(node.key)
+            if node.ref_count > 0:
+                protected += len(node.key)
+            elif not node.children:
+                evictable_leaves += 1
+        if len(nodes) != self._num_nodes:
+            raise IntegrityError(f"node count {len(nodes)} != tracked {self._num_nodes}")
+        if protected != self._protected or total - protected != self._evictable:
+            raise IntegrityError(
+                f"sizes (evictable={total - protected}, protected={protected}) != tracked "
+                f"(evictable={self._evictable}, protected={self._protected})"
+            )
+        if nodes:
+            slots = np.concatenate([n.value for n in nodes])
+            if len(np.unique(slots)) != len(slots):
+                raise IntegrityError("a slot index appears more than once in the tree")
+        queued = {id(n) for tick, _, n in self._heap if n.parent is not None and tick == n.last_access}
+        if sum(id(n) in queued for n in nodes if n.ref_count == 0 and not n.children) != evictable_leaves:
+            raise IntegrityError("an evictable leaf is missing from the eviction heap")
+
+    # ---------------------------------------------------------------- internals
+
+    def _next_tick(self) -> int:
+        self._tick += 1
+        return self._tick
+
+    def _child_key(self, seq: np.ndarray, pos: int = 0) -> Any:
+        if self.page_size == 1:
+            return int(seq[pos])
+        return seq[pos:pos + self.page_size].tobytes()
+
+    def _walk(self, ids: np.ndarray, tick: int) -> tuple[RadixNode, int]:
+        """Follows `ids` down the tree, splitting a partially matched node; touches the path with `tick`."""
+        node, pos, n, ps = self._root, 0, len(ids), self.page_size
+        while n - pos >= ps:
+            child = node.children.get(self._child_key(ids, pos))
+            if child is None:
+                break
+            key = child.key
+            m = min(len(key), n - pos)
+            neq = key[:m] != ids[pos:pos + m]
+            first = int(neq.argmax())
+            matched = first if neq[first] else m
+            matched -= matched % ps
+            pos += matched
+            if matched < len(key):
+                node = self._split(child, matched, tick)
+                break
+            child.last_access = tick
+            node = child
+        return node, pos
+
+    def _split(self, node: RadixNode, pos: int, tick: int) -> RadixNode:
+        """Splits `node` at `pos`; the new parent takes key[:pos], inherits ref_count and gets `tick`."""
+        parent = node.parent
+        assert parent is not None
+        head = RadixNode(node.key[:pos], node.value[:pos], parent, node.ref_count, tick)
+        parent.children[self._child_key(head.key)] = head
+        node.key, node.value, node.parent = node.key[pos:], node.value[pos:], head
+        head.children[self._child_key(node.key)] = node
+        self._num_nodes += 1
+        return head
+
+    def _maybe_queue(self, node: RadixNode) -> None:
+        """Pushes `node` on the eviction heap if it is an evictable leaf not yet queued at its access time."""
+        if (node.ref_count or node.children or node is self._root
+                or node._queued_tick == node.last_access):
+            return
+        node._queued_tick = node.last_access
+        heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
+        if len(self._heap) > 2 * self._num_nodes + 1024:
+            self._heap = [e for e in self._heap if e[2].parent is not None and e[0] == e[2].last_access]
+            heapq.heapify(self._heap)
+
+    def _path_values(self, node: RadixNode) -> list[np.ndarray]:
+        """Values from `node` up to the root, deepest first; ValueError if `node` is no longer in the tree."""
+        parts = []
+        while node.parent is not None:
+            parts.append(node.value)
+            node = node.parent
+        if node is not self._root:
+            raise ValueError("stale handle: its node was evicted or the cache was reset")
+        return parts
+
+    def _check_handle(self, handle: MatchHandle) -> None:
+        if not isinstance(handle, MatchHandle) or handle._cache is not self:
+            raise ValueError("handle does not belong to this cache")
+        self._path_values(handle.node)
+
+    def _check_insert_args(self, ids: np.ndarray, slots: np.ndarray) -> None:
+        ps = self.page_size
+        if len(ids) != len(slots):
+            raise ValueError(f"len(token_ids)={len(ids)} != len(slot_indices)={len(slots)}")
+        if len(ids) % ps:
+            raise ValueError(f"insert length {len(ids)} is not a multiple of page_size={ps}")
+        if ps > 1 and len(slots) and not self._pages_ok(slots):
+            raise ValueError(
+                f"slot_indices must come in whole pages: each page of {ps} slots consecutive and starting "
+                f"at a multiple of {ps}"
+            )
+
+    def _pages_ok(self, slots: np.ndarray) -> bool:
+        pages = slots.reshape(-1, self.page_size)
+        return bool((pages[:, 0] % self.page_size == 0).all()
+                    and (pages - pages[:, :1] == np.arange(self.page_size)).all())
+
+    def _check_segment(self, node: RadixNode) -> None:
+        ps = self.page_size
+        key, value = node.key, node.value
+        if key.ndim != 1 or value.ndim != 1 or len(key) != len(value) or not len(key):
+            raise IntegrityError(f"{node!r} must have 1-D key and value of equal, non-zero length")
+        if len(node.key) % ps:
+            raise IntegrityError(f"{node!r} length is not a multiple of page_size={ps}")
+        if node.ref_count < 0:
+            raise IntegrityError(f"{node!r} has a negative ref_count")
+        if ps > 1 and not self._pages_ok(node.value):
+            raise IntegrityError(f"{node!r} holds slot pages that are not aligned and consecutive")

@@ -1,0 +1,76 @@
+"""A request's state inside the scheduler, and what the runner returns for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .radix_tree import MatchHandle
+from .sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """Result of one prompt, in input order."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str | None = None
+    cached_tokens: int = 0
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass
+class Req:
+    """One prompt moving through match → lock → allocate → prefill (chunks) → decode → release.
+
+    `num_computed` tokens have K/V in the pool; `token_ids[num_computed:]` are still to be computed.
+    A scoring request (`score_from` set) wants the logits of positions `score_from .. prompt_len - 2`
+    and generates nothing.
+    """
+
+    index: int
+    token_ids: list[int]
+    params: SamplingParams
+    score_from: int | None = None
+    prompt_len: int = 0
+    row: int | None = None
+    num_computed: int = 0
+    cached_tokens: int = 0
+    handle: MatchHandle | None = None
+    logprob: float = 0.0
+    greedy_match: bool = True
+    finish_reason: str | None = None
+    error: str | None = None
+
+    def __post_init__(self):
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_computed >= self.prompt_len
+
+    @property
+    def match_ids(self) -> np.ndarray:
+        """Tokens the prefix match may cover (plus one): the first logits position is never cached."""
+        end = self.prompt_len if self.score_from is None else self.score_from + 1
+        return np.asarray(self.token_ids[:end], dtype=np.int64)
+
+    @property
+    def final_len(self) -> int:
+        """Most tokens this request can hold in the pool."""
+        return self.prompt_len + self.params.max_new_tokens
+
+    def logits_offsets(self, start: int, end: int) -> np.ndarray:
+        """Offsets within the chunk `[start, end)` whose logits this request needs."""
+        if self.score_from is None:
+            wanted = [end - start - 1] if end == len(self.token_ids) else []
+            return np.array(wanted, dtype=np.int64)
+        first, last = max(start, self.score_from), min(end, self.prompt_len - 1)
+        return np.arange(first - start, last - start, dtype=np.int64)

@@ -1,0 +1,433 @@
+"""Continuous batching over the radix engine: cache-aware prefill scheduling, chunked prefill, decode."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .engine import RadixEngine, get_engine
+from .forward_batch import build_forward_batch
+from .radix_tree import RadixPrefixCache
+from .request import Req, RequestOutput
+from .sampling import SamplingParams, SeededRows, sample
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("lpm", "fcfs")
+LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS
+MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
+
+
+@dataclass
+class RunnerStats:
+    """Counters summed over every `run`/scoring call of one runner."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    wall_time: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time."""
+        return self.generated_tokens / self.wall_time if self.wall_time else 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"RunnerStats(requests={self.requests}, prompt_tokens={self.prompt_tokens}, "
+            f"cached_tokens={self.cached_tokens}, hit_rate={self.hit_rate:.3f}, "
+            f"generated_tokens={self.generated_tokens}, wall_time={self.wall_time:.2f}s, "
+            f"tokens_per_s={self.tokens_per_s:.1f})"
+        )
+
+
+class Scheduler:
+    """Drives a list of requests to completion; every exit goes through `_release`."""
+
+    def __init__(
+        self,
+        engine: RadixEngine,
+        eos_token_ids: Sequence[int],
+        tokenizer=None,
+        max_running_requests: int = 256,
+        chunked_prefill_size: int = 8192,
+        schedule_policy: str = "lpm",
+    ):
+        if schedule_policy not in POLICIES:
+            raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
+        if max_running_requests < 1 or chunked_prefill_size < 1:
+            raise ValueError("max_running_requests and chunked_prefill_size must be >= 1")
+        self.engine = engine
+        self.manager = engine.manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.schedule_policy = schedule_policy
+        self.seeded = SeededRows(engine.device)
+        self.pending: deque[Req] = deque()
+        self.prefilling: list[Req] = []
+        self.running: list[Req] = []
+
+    # -- entry point ---------------------------------------------------------------------------------
+    def run(self, reqs: list[Req], progress: bool) -> None:
+        """Runs `reqs` to completion (or error); on any exception releases everything it holds."""
+        ready = [r for r in reqs if self._admissible(r)]
+        if self.schedule_policy == "lpm" and len(ready) <= LPM_MAX_QUEUE:
+            ready.sort(key=lambda r: r.token_ids)  # depth-first order of the prompts' trie
+        self.pending = deque(ready)
+        bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
+        bar.update(len(reqs) - len(ready))
+        self._bar = bar
+        try:
+            while self.pending or self.prefilling or self.running:
+                items = self._schedule_prefill()
+                if items:
+                    self._forward_prefill(items)
+                elif self.running:
+                    self._forward_decode()
+                else:
+                    req = self.pending.popleft()
+                    self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
+        except BaseException:
+            for req in [*self.prefilling, *self.running]:
+                self._release(req, "abort", None)
+            self.pending.clear()
+            raise
+        finally:
+            bar.close()
+
+    # -- admission -----------------------------------------------------------------------------------
+    def _admissible(self, req: Req) -> bool:
+        """Rejects bad input up front, so it fails alone with a message."""
+        ids = req.token_ids
+        engine = self.engine
+        if not ids:
+            return self._fail(req, "empty prompt")
+        if min(ids) < 0 or max(ids) >= engine.vocab_size:
+            return self._fail(req, f"token ids must lie in [0, {engine.vocab_size}), got {min(ids)}..{max(ids)}")
+        if req.final_len > engine.max_context:
+            return self._fail(
+                req, f"prompt ({req.prompt_len}) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
+                f"model's context of {engine.max_context} tokens")
+        if self.manager.pages_for(0, req.final_len) > self.manager.num_pages:
+            return self._fail(
+                req, f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
+                f"{engine.pool.num_slots}")
+        if req.score_from is None and req.params.max_new_tokens == 0:
+            req.finish_reason = "length"
+            return False
+        return True
+
+    def _reserved_tokens(self, reqs: Iterable[Req]) -> int:
+        """Tokens that admitted requests may still allocate until they finish."""
+        ps = self.manager.page_size
+        return sum(self.manager.pages_for(len(self.manager.row_slots(r.row)), r.final_len) * ps for r in reqs)
+
+    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
+        """Picks prefill chunks under the token budget, keeping room for what running requests will decode."""
+        budget = self.chunked_prefill_size
+        reserved = self._reserved_tokens([*self.running, *self.prefilling])
+        items: list[tuple[Req, int, int]] = []
+        in_batch = RadixPrefixCache(page_size=1)
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            end = min(req.prompt_len, req.num_computed + budget)
+            items.append((req, req.num_computed, end))
+            budget -= end - req.num_computed
+            self._note_in_batch(in_batch, req, end)
+        deferred: list[Req] = []
+        ps = self.manager.page_size
+        while self.pending and budget > 0 and self._active() + len(items) < self.max_running_requests:
+            req = self.pending[0]
+            handle = self.manager.match(req.match_ids)
+            shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
+            if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
+                deferred.append(self.pending.popleft())  # a batch-mate computes this prefix; reuse it next round
+                continue
+            need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
+            if need + reserved > self.manager.available_size:
+                break
+            self.manager.lock(handle)
+            if need + reserved > self.manager.available_size:  # locking made the matched prefix unevictable
+                self.manager.unlock(handle)
+                break
+            self.pending.popleft()
+            req.row = self.manager.open_row(handle)
+            req.num_computed = req.cached_tokens = handle.cached_len
+            self.engine.record_prompt(req.prompt_len, handle.cached_len)
+            end = min(req.prompt_len, req.num_computed + budget)
+            items.append((req, req.num_computed, end))
+            budget -= end - req.num_computed
+            reserved += need
+            self.prefilling.append(req)
+            self._note_in_batch(in_batch, req, end)
+        self.pending.extendleft(reversed(deferred))
+        return items
+
+    @staticmethod
+    def _note_in_batch(tree: RadixPrefixCache, req: Req, end: int) -> None:
+        start = tree.size_info.total_size
+        tree.insert_prefix(req.token_ids[:end], np.arange(start, start + end, dtype=np.int64))
+
+    def _active(self) -> int:
+        return len(self.running) + len(self.prefilling)
+
+    # -- forwards ------------------------------------------------------------------------------------
+    def _forward(self, items: list[tuple[Req, int, int]]) -> torch.Tensor:
+        rows = [req.row for req, _, _ in items]
+        self.manager.allocate(rows, [end for _, _, end in items])
+        batch = build_forward_batch(
+            [self.manager.row_slots(r) for r in rows],
+            [np.asarray(req.token_ids[start:end]) for req, start, end in items],
+            [start for _, start, _ in items],
+            [req.logits_offsets(start, end) for req, start, end in items],
+            self.engine.device,
+        )
+        return self.engine.forward(batch)
+
+    def _forward_prefill(self, items: list[tuple[Req, int, int]]) -> None:
+        logits = self._forward(items)
+        scored, sampled, offset = [], [], 0
+        for req, start, end in items:
+            offsets = req.logits_offsets(start, end)
+            rows = slice(offset, offset + len(offsets))
+            offset += len(offsets)
+            req.num_computed = end
+            if req.score_from is not None:
+                scored.append((req, rows, np.asarray(req.token_ids[start + 1:end + 1])[offsets]))
+            elif req.prefilled:
+                sampled.append((req, rows.start))
+        self._accumulate_scores(logits, scored)
+        with self.manager.lazy_free_region():
+            for req, _, _ in items:
+                if not req.prefilled:
+                    self.manager.cache_req(req.row, req.token_ids, req.num_computed, finished=False)
+                    continue
+                self.prefilling.remove(req)
+                if req.score_from is not None:
+                    self._release(req, "length", None)
+                else:
+                    self.manager.cache_req(req.row, req.token_ids, req.num_computed, finished=False)
+                    self.running.append(req)
+            if sampled:
+                self._append_tokens([r for r, _ in sampled], logits[[i for _, i in sampled]])
+
+    def _forward_decode(self) -> None:
+        reqs = list(self.running)
+        logits = self._forward([(r, r.num_computed, r.num_computed + 1) for r in reqs])
+        for req in reqs:
+            req.num_computed += 1
+        with self.manager.lazy_free_region():
+            self._append_tokens(reqs, logits)
+
+    def _accumulate_scores(self, logits: torch.Tensor, scored: list) -> None:
+        if not scored:
+            return
+        index = torch.cat([torch.arange(s.start, s.stop) for _, s, _ in scored]).to(logits.device)
+        targets = torch.from_numpy(np.concatenate([t for _, _, t in scored])).to(logits.device)
+        chosen = logits[index].float()
+        logp = chosen.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        greedy = chosen.argmax(-1) == targets
+        logp_host, greedy_host = logp.double().cpu().numpy(), greedy.cpu().numpy()
+        offset = 0
+        for req, rows, _ in scored:
+            n = rows.stop - rows.start
+            req.logprob += float(logp_host[offset:offset + n].sum())
+            req.greedy_match &= bool(greedy_host[offset:offset + n].all())
+            offset += n
+
+    def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded).tolist()
+        for req, token in zip(reqs, tokens):
+            req.token_ids.append(token)
+            reason = self._finish_reason(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._release(req, reason, None)
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            window = max(len(s) for s in params.stop) + 8
+            tail = self.tokenizer.decode(req.generated[-window:], skip_special_tokens=False)
+            if any(s in tail for s in params.stop):
+                return "stop"
+        if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
+            return "length"
+        return None
+
+    # -- exits ---------------------------------------------------------------------------------------
+    def _release(self, req: Req, reason: str, error: str | None) -> None:
+        """The single exit of an admitted request: cache what is reusable, free the rest, unlock."""
+        if req.row is not None:
+            self.manager.release_row(req.row, req.token_ids, req.num_computed)
+            req.row = None
+        self.seeded.drop(req.index)
+        req.finish_reason, req.error = reason, error
+        self._bar.update(1)
+
+    @staticmethod
+    def _fail(req: Req, message: str) -> bool:
+        req.finish_reason, req.error = "error", message
+        logger.warning("request %d failed: %s", req.index, message)
+        return False
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+class RadixBatchRunner:
+    """Offline continuous-batching engine with radix prefix reuse across prompts and across calls.
+
+    >>> runner = RadixBatchRunner(model, tokenizer)
+    >>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        page_size: int = 1,
+        max_total_tokens: int | None = None,
+        mem_fraction: float = 0.85,
+        max_running_requests: int = 256,
+        chunked_prefill_size: int = 8192,
+        schedule_policy: str = "lpm",
+        attn_backend: str = "auto",
+        cuda_graph: bool = True,
+    ):
+        self.engine = get_engine(
+            model, page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
+            attn_backend=attn_backend,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cuda_graph = cuda_graph
+        self.stats = RunnerStats()
+        self._scheduler = Scheduler(
+            self.engine, _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy,
+        )
+
+    # -- inputs --------------------------------------------------------------------------------------
+    def _tokenize(self, prompts: Iterable) -> list[list[int]]:
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: RadixBatchRunner(model, tokenizer)")
+            return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                raise ValueError("mix of string and token-id prompts; pass one kind")
+            out.append([int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)])
+        return out
+
+    def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        show = len(reqs) >= 32 if progress is None else progress
+        start = time.perf_counter()
+        before = self.engine.stats.prompt_tokens, self.engine.stats.cached_tokens
+        try:
+            self._scheduler.run(reqs, show)
+        finally:
+            self.stats.wall_time += time.perf_counter() - start
+            self.stats.requests += len(reqs)
+            self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
+            self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
+            generated = sum(len(r.generated) for r in reqs if r.score_from is None)
+            self.stats.generated_tokens += generated
+            self.engine.stats.generated_tokens += generated
+
+    # -- public API ----------------------------------------------------------------------------------
+    def run(
+        self,
+        prompts: Iterable,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
+        token_lists = self._tokenize(prompts)
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(token_lists)
+        params = list(params)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
+        self._execute(reqs, progress)
+        return [self._output(r) for r in reqs]
+
+    def _output(self, req: Req) -> RequestOutput:
+        tokens = req.generated
+        text = None
+        if self.tokenizer is not None and req.finish_reason != "error":
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in req.params.stop:
+                cut = text.find(stop)
+                if cut >= 0:
+                    text = text[:cut]
+        return RequestOutput(
+            prompt_token_ids=req.token_ids[:req.prompt_len], token_ids=list(tokens), text=text,
+            cached_tokens=req.cached_tokens, finish_reason=req.finish_reason, error=req.error,
+        )
+
+    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
+        """For each (context, continuation): (sum of continuation log-probs, whether greedy decoding yields it).
+
+        Contexts shared between pairs are computed once; logits are computed only at continuation positions.
+        """
+        pairs = list(pairs)
+        contexts = self._tokenize([c for c, _ in pairs])
+        continuations = self._tokenize_continuations(pairs)
+        reqs = []
+        score = SamplingParams(max_new_tokens=0)
+        for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
+            req = Req(i, ctx + cont, score, score_from=len(ctx) - 1)
+            if not ctx or not cont:
+                Scheduler._fail(req, "context and continuation must both be non-empty")
+            reqs.append(req)
+        self._execute([r for r in reqs if r.finish_reason is None], progress)
+        errors = [r for r in reqs if r.finish_reason == "error"]
+        if errors:
+            raise ValueError(f"{len(errors)} scoring requests failed; first: {errors[0].error}")
+        return [(r.logprob, r.greedy_match) for r in reqs]
+
+    def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
+        conts = [c for _, c in pairs]
+        if conts and all(isinstance(c, str) for c in conts):
+            if self.tokenizer is None:
+                raise ValueError("string continuations need a tokenizer")
+            return [list(ids) for ids in self.tokenizer(conts, add_special_tokens=False)["input_ids"]]
+        return self._tokenize(conts)
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""
+        self.engine.check_integrity()
+
+    def reset_cache(self) -> None:
+        """Drops every cached prefix."""
+        self.engine.reset_cache()

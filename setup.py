@@ -1,0 +1,31 @@
+"""hf_radix: SGLang-style radix prefix caching for Hugging Face transformers."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+
+def _read_requirements(name: str) -> list[str]:
+    lines = (Path(__file__).parent / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+setup(
+    name="hf-radix",
+    version="0.1.0",
+    description="Radix-tree prefix cache, paged KV pool and continuous batching for Hugging Face transformers",
+    long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hf_radix", "hf_radix.*"]),
+    package_data={"hf_radix.kernels": ["*.cu"]},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm"],
+    extras_require={
+        "triton": ["triton>=3.0"],
+        "flashinfer": ["flashinfer-python"],
+        "flash-attn": ["flash-attn"],
+        "datasets": ["datasets"],
+        "eval": ["lm-eval>=0.4.9"],
+        "test": _read_requirements("requirements-test.txt"),
+    },
+    entry_points={"lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"]},
+)

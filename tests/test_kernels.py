@@ -1,0 +1,351 @@
+"""CPU tests for hf_radix.kernels: Triton attention kernels under TRITON_INTERPRET=1 and the KV store.
+
+The Triton checks run in ONE subprocess with ``TRITON_INTERPRET=1`` set before triton is imported (the env var
+is read when ``@triton.jit`` decorates), so other test modules that import torch/triton are unaffected. The
+subprocess runs every case and prints a JSON report; each pytest test asserts on its own case.
+
+This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Case builders and float64 reference
+# --------------------------------------------------------------------------------------------------------
+
+
+def make_pool(num_slots: int, hkv: int, d: int, dtype: torch.dtype, device: str | torch.device,
+              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pool tensor ``[2, num_slots, hkv, d]`` -> (k_cache, v_cache) views, random contents."""
+    pool = torch.randn((2, num_slots, hkv, d), generator=gen, dtype=torch.float32)
+    pool = pool.to(dtype=dtype, device=device)
+    return pool[0], pool[1]
+
+
+def alloc_slots(total_tokens: list[int], page_size: int, gen: torch.Generator,
+                extra_pages: int = 3) -> tuple[list[torch.Tensor], int]:
+    """Per-row slot lists (int64, position order) from shuffled pages; returns (slots per row, num_slots)."""
+    pages_per_row = [max(1, math.ceil(n / page_size)) for n in total_tokens]
+    num_pages = sum(pages_per_row) + extra_pages
+    perm = torch.randperm(num_pages, generator=gen)
+    out, p = [], 0
+    for n, npg in zip(total_tokens, pages_per_row, strict=True):
+        pages = perm[p:p + npg]
+        p += npg
+        slots = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).reshape(-1)[:n]
+        out.append(slots.to(torch.int64))
+    return out, num_pages * page_size
+
+
+def make_extend_case(rows: list[tuple[int, int]], hq: int, hkv: int, d: int, page_size: int = 1,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                     index_dtype: torch.dtype = torch.int32) -> dict[str, Any]:
+    """rows: list of (prefix_len, new_len). New tokens' K/V are also written into the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    totals = [p + n for p, n in rows]
+    slots, num_slots = alloc_slots(totals, page_size, gen)
+    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen)
+    t = sum(n for _, n in rows)
+    q = torch.randn((t, hq, d), generator=gen).to(dtype=dtype, device=device)
+    k_new = torch.randn((t, hkv, d), generator=gen).to(dtype=dtype, device=device)
+    v_new = torch.randn((t, hkv, d), generator=gen).to(dtype=dtype, device=device)
+    new_slots = torch.cat([s[p:] for s, (p, _) in zip(slots, rows, strict=True)]).to(device)
+    k_cache[new_slots] = k_new
+    v_cache[new_slots] = v_new
+    qo_indptr = torch.tensor([0] + list(torch.cumsum(torch.tensor([n for _, n in rows]), 0).tolist()),
+                             dtype=torch.int32)
+    prefix_lens = torch.tensor([p for p, _ in rows], dtype=torch.int32)
+    prefix_kv_indptr = torch.tensor([0] + list(torch.cumsum(prefix_lens, 0).tolist()), dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    prefix_kv_indices = torch.cat([s[:p] for s, (p, _) in zip(slots, rows, strict=True)] + [empty])
+    return {
+        "q": q, "k_new": k_new, "v_new": v_new, "k_cache": k_cache, "v_cache": v_cache,
+        "qo_indptr": qo_indptr.to(device), "prefix_lens": prefix_lens.to(device),
+        "prefix_kv_indices": prefix_kv_indices.to(dtype=index_dtype, device=device),
+        "prefix_kv_indptr": prefix_kv_indptr.to(device),
+        "rows": rows, "slots": slots,
+    }
+
+
+def make_decode_case(seq_lens: list[int], hq: int, hkv: int, d: int, page_size: int = 1,
+                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                     index_dtype: torch.dtype = torch.int32) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    slots, num_slots = alloc_slots(seq_lens, page_size, gen)
+    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen)
+    q = torch.randn((len(seq_lens), hq, d), generator=gen).to(dtype=dtype, device=device)
+    kv_indptr = torch.tensor([0] + list(torch.cumsum(torch.tensor(seq_lens), 0).tolist()), dtype=torch.int32)
+    kv_indices = torch.cat(slots + [torch.zeros(0, dtype=torch.int64)])
+    return {"q": q, "k_cache": k_cache, "v_cache": v_cache,
+            "kv_indices": kv_indices.to(dtype=index_dtype, device=device), "kv_indptr": kv_indptr.to(device),
+            "seq_lens": seq_lens, "slots": slots}
+
+
+def ref_attention_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scaling: float,
+                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """float64 reference for one row. q [n, Hq, D], k/v [L, Hkv, D] (positions 0..L-1), q_pos [n]."""
+    q, k, v = q.double(), k.double(), v.double()
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    if softcap is not None and softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    kpos = torch.arange(k.shape[0])
+    keep = kpos[None, :] <= q_pos[:, None]
+    if sliding_window is not None and sliding_window > 0:
+        keep &= (q_pos[:, None] - kpos[None, :]) < sliding_window
+    s = s.masked_fill(~keep[None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v)
+
+
+def ref_extend(case: dict[str, Any], scaling: float, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+    q = case["q"].cpu()
+    kc, vc = case["k_cache"].cpu(), case["v_cache"].cpu()
+    outs, t0 = [], 0
+    for (p, n), slots in zip(case["rows"], case["slots"], strict=True):
+        if n == 0:
+            continue
+        qpos = torch.arange(p, p + n)
+        outs.append(
+            ref_attention_row(q[t0:t0 + n], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap)
+        )
+        t0 += n
+    if not outs:
+        return torch.zeros(q.shape, dtype=torch.float64)
+    return torch.cat(outs)
+
+
+def ref_decode(case: dict[str, Any], scaling: float, sliding_window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+    q = case["q"].cpu()
+    kc, vc = case["k_cache"].cpu(), case["v_cache"].cpu()
+    outs = []
+    for i, (n, slots) in enumerate(zip(case["seq_lens"], case["slots"], strict=True)):
+        qpos = torch.tensor([n - 1])
+        outs.append(
+            ref_attention_row(q[i:i + 1], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap)
+        )
+    return torch.cat(outs)
+
+
+def run_extend(case: dict[str, Any], scaling: float, **kw: Any) -> torch.Tensor:
+    from hf_radix.kernels.triton_attention import extend_attention
+
+    return extend_attention(case["q"], case["k_new"], case["v_new"], case["k_cache"], case["v_cache"],
+                            case["qo_indptr"], case["prefix_lens"], case["prefix_kv_indices"],
+                            case["prefix_kv_indptr"], scaling, **kw)
+
+
+def run_decode(case: dict[str, Any], scaling: float, **kw: Any) -> torch.Tensor:
+    from hf_radix.kernels.triton_attention import decode_attention
+
+    return decode_attention(
+        case["q"], case["k_cache"], case["v_cache"], case["kv_indices"], case["kv_indptr"], scaling, **kw
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Interpreter cases (executed in a subprocess with TRITON_INTERPRET=1)
+# --------------------------------------------------------------------------------------------------------
+
+# name -> (kind, builder kwargs, kernel kwargs)
+INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # ragged rows: with and without prefixes, an empty row, prefix not a multiple of the block
+    "extend_ragged": ("extend", dict(rows=[(0, 5), (19, 7), (0, 0), (16, 33)], hq=2, hkv=2, d=16), {}),
+    "extend_gqa_pages": ("extend", dict(rows=[(21, 18), (3, 1), (0, 17)], hq=4, hkv=2, d=16, page_size=4,
+                                        index_dtype=torch.int64), {}),
+    "extend_window_softcap": (
+        "extend", dict(rows=[(29, 20), (0, 35), (5, 2)], hq=2, hkv=1, d=16, page_size=2),
+        dict(sliding_window=9, softcap=3.0),
+    ),
+    "extend_d24": ("extend", dict(rows=[(11, 9), (0, 18)], hq=3, hkv=1, d=24, page_size=2), {}),
+    "extend_fp16": ("extend", dict(rows=[(17, 6), (0, 3)], hq=2, hkv=1, d=16, dtype=torch.float16), {}),
+    "extend_bm32": ("extend", dict(rows=[(40, 45), (7, 0), (3, 33)], hq=2, hkv=1, d=16, page_size=4),
+                    dict(_cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
+    "extend_bm32_window": ("extend", dict(rows=[(40, 45), (0, 3)], hq=2, hkv=1, d=16),
+                           dict(sliding_window=20,
+                                _cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
+    "decode_splits": ("decode", dict(seq_lens=[1, 37, 70, 16], hq=8, hkv=2, d=16, page_size=4),
+                      dict(num_kv_splits=3)),
+    "decode_auto": ("decode", dict(seq_lens=[33, 5], hq=4, hkv=4, d=24, page_size=1), {}),
+    "decode_window_softcap": ("decode", dict(seq_lens=[50, 9, 64], hq=4, hkv=1, d=16, page_size=2,
+                                             index_dtype=torch.int64),
+                              dict(sliding_window=21, softcap=2.5, num_kv_splits=2)),
+    "decode_one_split_fp16": ("decode", dict(seq_lens=[40, 2], hq=2, hkv=1, d=16, dtype=torch.float16),
+                              dict(num_kv_splits=1, max_kv_len=40)),
+    "decode_many_splits": ("decode", dict(seq_lens=[20, 3], hq=2, hkv=2, d=16), dict(num_kv_splits=8)),
+}
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 2e-6 if dtype == torch.float32 else 2e-3
+
+
+def _run_case(name: str) -> dict[str, Any]:
+    import hf_radix.kernels.triton_attention as ta
+
+    kind, bkw, kkw = INTERP_CASES[name]
+    kkw = dict(kkw)
+    cfg = kkw.pop("_cfg", None)
+    scaling = 1.0 / math.sqrt(bkw["d"])
+    t0 = time.time()
+    if kind == "extend":
+        case = make_extend_case(**bkw)
+        ta._EXTEND_CFG_OVERRIDE = cfg
+        try:
+            out = run_extend(case, scaling, **kkw)
+        finally:
+            ta._EXTEND_CFG_OVERRIDE = None
+        ref = ref_extend(case, scaling, kkw.get("sliding_window"), kkw.get("softcap"))
+    else:
+        case = make_decode_case(**bkw)
+        out = run_decode(case, scaling, **kkw)
+        ref = ref_decode(case, scaling, kkw.get("sliding_window"), kkw.get("softcap"))
+    err = rel_err(out, ref) if ref.numel() else 0.0
+    dtype = bkw.get("dtype", torch.float32)
+    ok = out.shape == case["q"].shape and out.dtype == case["q"].dtype and bool(torch.isfinite(out).all())
+    ok = ok and err <= _tol(dtype)
+    return {"ok": ok, "err": err, "tol": _tol(dtype), "secs": round(time.time() - t0, 2)}
+
+
+def _interp_main() -> None:
+    torch.set_num_threads(1)
+    report = {}
+    for name in INTERP_CASES:
+        try:
+            report[name] = _run_case(name)
+        except Exception:  # noqa: BLE001 - reported to the parent test
+            report[name] = {"ok": False, "error": traceback.format_exc()}
+    print("@@REPORT@@" + json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def interp_report() -> dict[str, Any]:
+    env = dict(os.environ)
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interp"], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=str(REPO_ROOT))
+    for line in proc.stdout.splitlines():
+        if line.startswith("@@REPORT@@"):
+            return json.loads(line[len("@@REPORT@@"):])
+    raise AssertionError(
+        f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    )
+
+
+@pytest.mark.parametrize("name", list(INTERP_CASES))
+def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
+    res = interp_report[name]
+    assert "error" not in res, res.get("error")
+    assert res["ok"], res
+
+
+# --------------------------------------------------------------------------------------------------------
+# Triton wrappers: argument checks (no kernel launch)
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_extend_rejects_bad_shapes() -> None:
+    from hf_radix.kernels.triton_attention import extend_attention
+
+    case = make_extend_case([(2, 3)], hq=3, hkv=2, d=16)
+    with pytest.raises(ValueError, match="multiple"):
+        run_extend(case, 1.0)
+    case = make_extend_case([(2, 3)], hq=2, hkv=1, d=16)
+    with pytest.raises(ValueError, match="k_new"):
+        extend_attention(case["q"], case["k_new"][:2], case["v_new"], case["k_cache"], case["v_cache"],
+                         case["qo_indptr"], case["prefix_lens"], case["prefix_kv_indices"],
+                         case["prefix_kv_indptr"], 1.0)
+
+
+def test_pick_num_kv_splits() -> None:
+    from hf_radix.kernels.triton_attention import pick_num_kv_splits
+
+    assert pick_num_kv_splits(256, 8, 2048) == 1
+    assert pick_num_kv_splits(1, 8, 32768) == 33
+    assert pick_num_kv_splits(1, 8, 100) == 1
+    assert 1 <= pick_num_kv_splits(4, 8, 4096) <= 16
+
+
+# --------------------------------------------------------------------------------------------------------
+# KV store
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_store_kv_torch_exact(dtype: torch.dtype, index_dtype: torch.dtype) -> None:
+    from hf_radix.kernels.store import store_kv
+
+    gen = torch.Generator().manual_seed(1)
+    pool = torch.zeros((2, 64, 3, 8), dtype=dtype)
+    k_cache, v_cache = pool[0], pool[1]
+    k = torch.randn((10, 3, 8), generator=gen).to(dtype)
+    v = torch.randn((10, 3, 8), generator=gen).to(dtype)
+    loc = torch.randperm(64, generator=gen)[:10].to(index_dtype)
+    store_kv(k_cache, v_cache, loc, k, v, backend="torch")
+    assert torch.equal(k_cache[loc.long()], k) and torch.equal(v_cache[loc.long()], v)
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[loc.long()] = False
+    assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    # "auto" on CPU uses the torch path.
+    store_kv(k_cache, v_cache, loc, k * 2, v * 2, backend="auto")
+    assert torch.equal(k_cache[loc.long()], k * 2)
+
+
+def test_store_kv_checks() -> None:
+    from hf_radix.kernels.store import store_kv
+
+    k_cache = torch.zeros((8, 2, 4))
+    v_cache = torch.zeros((8, 2, 4))
+    k = torch.ones((3, 2, 4))
+    loc = torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match="dtype"):
+        store_kv(k_cache, v_cache, loc, k.half(), k)
+    with pytest.raises(ValueError, match="out_loc"):
+        store_kv(k_cache, v_cache, loc.float(), k, k)
+    with pytest.raises(ValueError, match="shape"):
+        store_kv(k_cache, v_cache, loc, torch.ones((3, 2, 5)), k)
+    with pytest.raises(ValueError, match="backend"):
+        store_kv(k_cache, v_cache, loc, k, k, backend="bogus")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        store_kv(k_cache, v_cache, loc, k, k, backend="cuda")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_store_cu_compiles(tmp_path: Path) -> None:
+    from hf_radix.kernels.store import compile_store_kernel
+
+    so = compile_store_kernel(tmp_path / "store_test.so", arch="sm_90")
+    assert so.exists() and so.stat().st_size > 0
+
+
+if __name__ == "__main__":
+    if "--interp" in sys.argv:
+        _interp_main()

@@ -1,0 +1,216 @@
+"""GPU tests for hf_radix.kernels (skipped without CUDA): Triton attention in bf16 at realistic sizes against a
+float64 reference, the CUDA store kernel (bit-exact), CUDA-graph capture, and the store kernel's build time."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _helpers() -> Any:
+    """tests/test_kernels.py (case builders + float64 reference), loaded by path."""
+    name = "_hf_radix_kernel_test_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_kernels.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+H = _helpers()
+REL_TOL_BF16 = 1e-2
+
+EXTEND_CASES = {
+    "llama_gqa_d128_p16": dict(rows=[(0, 300), (2048, 256), (513, 77), (100, 1), (37, 0), (0, 1)], hq=32, hkv=8,
+                               d=128, page_size=16),
+    "mha_d64_p1": dict(rows=[(1000, 129), (0, 64), (5, 700)], hq=8, hkv=8, d=64, page_size=1),
+    "phi_d80": dict(rows=[(300, 200), (17, 33)], hq=8, hkv=8, d=80, page_size=16),
+    "d96_group7": dict(rows=[(257, 190), (0, 5)], hq=28, hkv=4, d=96, page_size=1),
+    "gemma2_d256": dict(rows=[(700, 300), (0, 129), (4000, 2)], hq=16, hkv=8, d=256, page_size=16),
+}
+EXTEND_KW = {
+    "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0)],
+    "d96_group7": [dict(), dict(sliding_window=100)],
+}
+
+DECODE_CASES = {
+    "llama_gqa_d128_p1": dict(seq_lens=[1, 17, 2048, 4000, 333, 64], hq=32, hkv=8, d=128, page_size=1),
+    "llama_gqa_d128_p16": dict(seq_lens=[5000, 1, 129, 8], hq=32, hkv=8, d=128, page_size=16),
+    "mha_d64": dict(seq_lens=[1000, 3, 777], hq=16, hkv=16, d=64, page_size=1),
+    "phi_d80": dict(seq_lens=[300, 1200], hq=8, hkv=8, d=80, page_size=16),
+    "d96_group7": dict(seq_lens=[900, 31, 2], hq=28, hkv=4, d=96, page_size=1),
+    "gemma2_d256": dict(seq_lens=[4500, 100, 1], hq=16, hkv=8, d=256, page_size=16),
+}
+DECODE_KW = {
+    "gemma2_d256": [dict(), dict(sliding_window=1024, softcap=50.0), dict(sliding_window=1024, num_kv_splits=5)],
+    "llama_gqa_d128_p1": [dict(), dict(num_kv_splits=1), dict(num_kv_splits=7), dict(num_kv_splits=32)],
+    "d96_group7": [dict(), dict(num_kv_splits=4, sliding_window=64)],
+}
+
+
+def _ids(cases: dict[str, Any], kws: dict[str, list[dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    return [(name, kw) for name in cases for kw in kws.get(name, [dict()])]
+
+
+@pytest.mark.parametrize("name,kw", _ids(EXTEND_CASES, EXTEND_KW))
+def test_extend_bf16(name: str, kw: dict[str, Any]) -> None:
+    case = H.make_extend_case(**EXTEND_CASES[name], dtype=torch.bfloat16, device="cuda", seed=3)
+    scaling = 1.0 / math.sqrt(EXTEND_CASES[name]["d"])
+    max_new = max(n for _, n in case["rows"])
+    out = H.run_extend(case, scaling, max_new_len=max_new, **kw)
+    ref = H.ref_extend(case, scaling, kw.get("sliding_window"), kw.get("softcap"))
+    err = H.rel_err(out, ref)
+    print(f"extend {name} {kw}: rel err {err:.2e}")
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert err <= REL_TOL_BF16
+
+
+@pytest.mark.parametrize("name,kw", _ids(DECODE_CASES, DECODE_KW))
+def test_decode_bf16(name: str, kw: dict[str, Any]) -> None:
+    case = H.make_decode_case(**DECODE_CASES[name], dtype=torch.bfloat16, device="cuda", seed=4)
+    scaling = 1.0 / math.sqrt(DECODE_CASES[name]["d"])
+    out = H.run_decode(case, scaling, **kw)
+    ref = H.ref_decode(case, scaling, kw.get("sliding_window"), kw.get("softcap"))
+    err = H.rel_err(out, ref)
+    print(f"decode {name} {kw}: rel err {err:.2e}")
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert err <= REL_TOL_BF16
+
+
+def test_fp32_and_fp16_on_gpu() -> None:
+    case = H.make_extend_case([(100, 70), (0, 20)], hq=4, hkv=2, d=64, page_size=4, dtype=torch.float32,
+                              device="cuda")
+    out = H.run_extend(case, 0.125)
+    assert H.rel_err(out, H.ref_extend(case, 0.125)) <= 1e-4
+    case = H.make_decode_case([100, 7], hq=4, hkv=2, d=64, dtype=torch.float32, device="cuda")
+    out = H.run_decode(case, 0.125, num_kv_splits=3)
+    assert H.rel_err(out, H.ref_decode(case, 0.125)) <= 1e-4
+    case = H.make_decode_case([300, 7], hq=8, hkv=2, d=128, dtype=torch.float16, device="cuda")
+    out = H.run_decode(case, 0.1)
+    assert H.rel_err(out, H.ref_decode(case, 0.1)) <= 2e-3
+
+
+def test_kernels_cuda_graph_capture() -> None:
+    """decode/extend (with the sizes given) and store_kv launch without host syncs, so they capture."""
+    from hf_radix.kernels.store import cuda_store_available, store_kv
+
+    dec = H.make_decode_case([700, 64, 1], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16,
+                             device="cuda")
+    ext = H.make_extend_case([(300, 40), (0, 9)], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16,
+                             device="cuda")
+    k = torch.randn((5, 8, 128), device="cuda", dtype=torch.bfloat16)
+    loc = torch.tensor([3, 9, 1, 0, 7], device="cuda")
+    kc = torch.zeros((16, 8, 128), device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    backend = "cuda" if cuda_store_available() else "torch"
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        a = H.run_decode(dec, 0.08, num_kv_splits=4)
+        b = H.run_extend(ext, 0.08, max_new_len=40)
+        store_kv(kc, vc, loc, k, k, backend=backend)
+        return a, b
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compile kernels / build the store library outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a, b = step()
+    kc.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert H.rel_err(a, H.ref_decode(dec, 0.08)) <= REL_TOL_BF16
+    assert H.rel_err(b, H.ref_extend(ext, 0.08)) <= REL_TOL_BF16
+    assert torch.equal(kc[loc], k)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Store kernel
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_store_kernel_build_time(tmp_path: Path) -> None:
+    from hf_radix.kernels import store
+
+    if store.find_nvcc() is None:
+        pytest.skip("nvcc not found")
+    arch = store.device_arch()
+    t0 = time.perf_counter()
+    store.compile_store_kernel(tmp_path / "store.so", arch=arch)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    store._load(tmp_path / "store.so")
+    load = time.perf_counter() - t0
+    secs = store.build_store_kernel()
+    print(f"\nstore kernel: cold nvcc build {cold:.2f}s, ctypes load {load * 1e3:.1f}ms, "
+          f"process first use {store.STORE_BUILD_INFO}, build_store_kernel() now {secs:.3f}s")
+    assert store.cuda_store_available()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_store_kv_cuda_exact(dtype: torch.dtype, index_dtype: torch.dtype, layout: str) -> None:
+    from hf_radix.kernels.store import cuda_store_available, store_kv
+
+    if not cuda_store_available():
+        pytest.skip("CUDA store kernel unavailable (nvcc?)")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t, hkv, d, slots = 1000, 8, 128, 4096
+    pool = torch.zeros((2, slots, hkv, d), dtype=dtype, device="cuda")
+    ref_pool = pool.clone()
+    if layout == "contiguous":
+        k = torch.randn((t, hkv, d), device="cuda", generator=gen).to(dtype)
+        v = torch.randn((t, hkv, d), device="cuda", generator=gen).to(dtype)
+    else:  # HF layout [Hkv, T, D] viewed as [T, Hkv, D]
+        k = torch.randn((hkv, t, d), device="cuda", generator=gen).to(dtype).transpose(0, 1)
+        v = torch.randn((hkv, t, d), device="cuda", generator=gen).to(dtype).transpose(0, 1)
+    loc = torch.randperm(slots, device="cuda", generator=gen)[:t].to(index_dtype)
+    store_kv(pool[0], pool[1], loc, k, v, backend="cuda")
+    store_kv(ref_pool[0], ref_pool[1], loc, k, v, backend="torch")
+    torch.cuda.synchronize()
+    assert torch.equal(pool.view(torch.uint8), ref_pool.view(torch.uint8))
+
+
+@pytest.mark.parametrize("row", [(1, 3), (3, 5), (2, 4), (1, 1), (4, 2)])
+def test_store_kv_cuda_odd_rows(row: tuple[int, int]) -> None:
+    """Row sizes that force 1/2/4/8-byte copy units; 2-D rows and empty batches."""
+    from hf_radix.kernels.store import cuda_store_available, store_kv
+
+    if not cuda_store_available():
+        pytest.skip("CUDA store kernel unavailable (nvcc?)")
+    for dtype in (torch.float16, torch.float32):
+        kc = torch.zeros((50, *row), dtype=dtype, device="cuda")
+        vc = torch.zeros_like(kc)
+        k = torch.randn((7, *row), device="cuda").to(dtype)
+        v = torch.randn((7, *row), device="cuda").to(dtype)
+        loc = torch.tensor([49, 0, 3, 7, 11, 2, 30], device="cuda")
+        store_kv(kc, vc, loc, k, v, backend="cuda")
+        assert torch.equal(kc[loc], k) and torch.equal(vc[loc], v)
+        flat = kc.view(50, -1)
+        store_kv(flat, vc.view(50, -1), loc[:3], k.reshape(7, -1)[:3] * 2, v.reshape(7, -1)[:3] * 2, "cuda")
+        assert torch.equal(flat[loc[:3]], k.reshape(7, -1)[:3] * 2)
+        store_kv(kc, vc, loc[:0], k[:0], v[:0], backend="cuda")
+    # byte-misaligned base pointer (odd fp16 offset) still copies correctly
+    base = torch.zeros(2 * 50 * 3 + 1, dtype=torch.float16, device="cuda")
+    kc = base[1:].view(2, 50, 3)[0]
+    vc = base[1:].view(2, 50, 3)[1]
+    k = torch.randn((4, 3), device="cuda").half()
+    loc = torch.tensor([5, 6, 0, 49], device="cuda", dtype=torch.int32)
+    store_kv(kc, vc, loc, k, k + 1, backend="cuda")
+    assert torch.equal(kc[loc.long()], k) and torch.equal(vc[loc.long()], k + 1)
