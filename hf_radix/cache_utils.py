@@ -187,6 +187,7 @@ class RadixGenerateCache(RadixCache):
                 answer_eos = [i for i in range(self.prompt_lens[b], len(tokens)) if tokens[i] in self.eos_token_ids]
                 keep = answer_eos[0] + 1 if answer_eos else len(tokens)
                 manager.release_row(row, tokens[:keep], min(self.computed[b], keep))
+                self.engine.stats.generated_tokens += len(tokens) - self.prompt_lens[b]
         self.rows.clear()
 
 

@@ -416,6 +416,12 @@ class RadixBatchRunner:
             raise ValueError(f"{len(errors)} scoring requests failed; first: {errors[0].error}")
         return [(r.logprob, r.greedy_match) for r in reqs]
 
+    def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
+        """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
+        from .evaluation import loglikelihood_rolling
+
+        return loglikelihood_rolling(self, texts, progress)
+
     def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
         conts = [c for _, c in pairs]
         if conts and all(isinstance(c, str) for c in conts):

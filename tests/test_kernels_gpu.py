@@ -1,5 +1,8 @@
-"""GPU tests for hf_radix.kernels (skipped without CUDA): Triton attention in bf16 at realistic sizes against a
-float64 reference, the CUDA store kernel (bit-exact), CUDA-graph capture, and the store kernel's build time."""
+"""GPU tests for hf_radix.kernels (skipped without CUDA).
+
+Triton attention in bf16 at realistic sizes against a float64 reference, the CUDA store kernel (bit-exact),
+CUDA-graph capture, and the store kernel's build time.
+"""
 
 from __future__ import annotations
 
@@ -34,8 +37,9 @@ H = _helpers()
 REL_TOL_BF16 = 1e-2
 
 EXTEND_CASES = {
-    "llama_gqa_d128_p16": dict(rows=[(0, 300), (2048, 256), (513, 77), (100, 1), (37, 0), (0, 1)], hq=32, hkv=8,
-                               d=128, page_size=16),
+    "llama_gqa_d128_p16": dict(
+        rows=[(0, 300), (2048, 256), (513, 77), (100, 1), (37, 0), (0, 1)], hq=32, hkv=8, d=128, page_size=16
+    ),
     "mha_d64_p1": dict(rows=[(1000, 129), (0, 64), (5, 700)], hq=8, hkv=8, d=64, page_size=1),
     "phi_d80": dict(rows=[(300, 200), (17, 33)], hq=8, hkv=8, d=80, page_size=16),
     "d96_group7": dict(rows=[(257, 190), (0, 5)], hq=28, hkv=4, d=96, page_size=1),
@@ -55,7 +59,11 @@ DECODE_CASES = {
     "gemma2_d256": dict(seq_lens=[4500, 100, 1], hq=16, hkv=8, d=256, page_size=16),
 }
 DECODE_KW = {
-    "gemma2_d256": [dict(), dict(sliding_window=1024, softcap=50.0), dict(sliding_window=1024, num_kv_splits=5)],
+    "gemma2_d256": [
+        dict(),
+        dict(sliding_window=1024, softcap=50.0),
+        dict(sliding_window=1024, num_kv_splits=5),
+    ],
     "llama_gqa_d128_p1": [dict(), dict(num_kv_splits=1), dict(num_kv_splits=7), dict(num_kv_splits=32)],
     "d96_group7": [dict(), dict(num_kv_splits=4, sliding_window=64)],
 }
@@ -91,8 +99,9 @@ def test_decode_bf16(name: str, kw: dict[str, Any]) -> None:
 
 
 def test_fp32_and_fp16_on_gpu() -> None:
-    case = H.make_extend_case([(100, 70), (0, 20)], hq=4, hkv=2, d=64, page_size=4, dtype=torch.float32,
-                              device="cuda")
+    case = H.make_extend_case(
+        [(100, 70), (0, 20)], hq=4, hkv=2, d=64, page_size=4, dtype=torch.float32, device="cuda"
+    )
     out = H.run_extend(case, 0.125)
     assert H.rel_err(out, H.ref_extend(case, 0.125)) <= 1e-4
     case = H.make_decode_case([100, 7], hq=4, hkv=2, d=64, dtype=torch.float32, device="cuda")
@@ -107,10 +116,12 @@ def test_kernels_cuda_graph_capture() -> None:
     """decode/extend (with the sizes given) and store_kv launch without host syncs, so they capture."""
     from hf_radix.kernels.store import cuda_store_available, store_kv
 
-    dec = H.make_decode_case([700, 64, 1], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16,
-                             device="cuda")
-    ext = H.make_extend_case([(300, 40), (0, 9)], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16,
-                             device="cuda")
+    dec = H.make_decode_case(
+        [700, 64, 1], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16, device="cuda"
+    )
+    ext = H.make_extend_case(
+        [(300, 40), (0, 9)], hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16, device="cuda"
+    )
     k = torch.randn((5, 8, 128), device="cuda", dtype=torch.bfloat16)
     loc = torch.tensor([3, 9, 1, 0, 7], device="cuda")
     kc = torch.zeros((16, 8, 128), device="cuda", dtype=torch.bfloat16)
@@ -157,8 +168,10 @@ def test_store_kernel_build_time(tmp_path: Path) -> None:
     store._load(tmp_path / "store.so")
     load = time.perf_counter() - t0
     secs = store.build_store_kernel()
-    print(f"\nstore kernel: cold nvcc build {cold:.2f}s, ctypes load {load * 1e3:.1f}ms, "
-          f"process first use {store.STORE_BUILD_INFO}, build_store_kernel() now {secs:.3f}s")
+    print(
+        f"\nstore kernel: cold nvcc build {cold:.2f}s, ctypes load {load * 1e3:.1f}ms, "
+        f"process first use {store.STORE_BUILD_INFO}, build_store_kernel() now {secs:.3f}s"
+    )
     assert store.cuda_store_available()
 
 
