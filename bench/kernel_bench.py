@@ -128,12 +128,46 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
     return results
 
 
+def bench_decode_small() -> list[dict[str, Any]]:
+    """Few long rows (8 x 8,192, page 16): where split-KV matters; auto split count vs fixed ones."""
+    batch, ctx, hq, hkv, d = 8, 8192, 32, 8, 128
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(2)
+    pool = torch.randn((2, batch * ctx, hkv, d), device=dev, dtype=dtype)
+    q = torch.randn((batch, hq, d), device=dev, dtype=dtype)
+    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
+    kv_indices = shuffled_slots(batch, ctx, 16, gen).reshape(-1).to(dev)
+    kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
+    auto = ta.pick_num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    results = []
+    for splits in sorted({1, 4, auto, 8, 16, 32}):
+        ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, None)
+        bw = kv_bytes / (ms * 1e-3)
+        results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "ms": ms,
+                        "frac_peak": bw / PEAK_BW})
+        print(f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}: "
+              f"{ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return results
+
+
 # --------------------------------------------------------------------------------------------------------
 # (b) extend
 # --------------------------------------------------------------------------------------------------------
 
 
-def _extend_one(page_size: int, gen: torch.Generator) -> dict[str, Any]:
+EXTEND_SWEEP = (
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
+)
+
+
+def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False) -> dict[str, Any]:
     rows, cached, new, hq, hkv, d = 8, 2048, 256, 32, 8, 128
     dev, dtype = "cuda", torch.bfloat16
     total = cached + new
@@ -190,6 +224,17 @@ def _extend_one(page_size: int, gen: torch.Generator) -> dict[str, Any]:
     ms_triton = bench(triton_fn)
     ms_sdpa_gather = bench(lambda: sdpa(*gather()))
     ms_sdpa = bench(lambda: sdpa(k_g, v_g))
+    sweep_res = []
+    for cfg in EXTEND_SWEEP if sweep else ():
+        ta._EXTEND_CFG_OVERRIDE = cfg
+        try:
+            triton_fn()
+            sweep_res.append({"cfg": cfg, "ms": bench(triton_fn)})
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory; report and go on
+            sweep_res.append({"cfg": cfg, "error": str(exc)[:200]})
+        finally:
+            ta._EXTEND_CFG_OVERRIDE = None
+        print(f"  extend sweep {sweep_res[-1]}", flush=True)
     # causal FLOPs: per row/head, new queries see cached + (1..new) keys; QK^T and PV
     keys = rows * (new * cached + new * (new + 1) / 2)
     flops = 4 * hq * d * keys
@@ -203,7 +248,7 @@ def _extend_one(page_size: int, gen: torch.Generator) -> dict[str, Any]:
         "ms_sdpa_no_gather": ms_sdpa,
         "tflops_triton": flops / (ms_triton * 1e-3) / 1e12,
         "rel_err_vs_sdpa": err,
-        "cfg": ta._extend_config(d, dtype, torch.device(dev)),
+        "cfg": ta._extend_config(d, dtype, torch.device(dev)), "sweep": sweep_res,
     }
     print(
         f"extend p{page_size:<2}: triton {ms_triton * 1e3:7.1f} us ({res['tflops_triton']:.0f} TFLOP/s)  "
@@ -217,7 +262,7 @@ def bench_extend(quick: bool) -> list[dict[str, Any]]:
     gen = torch.Generator().manual_seed(1)
     results = []
     for page_size in (16,) if quick else (1, 16):
-        results.append(_extend_one(page_size, gen))
+        results.append(_extend_one(page_size, gen, sweep=not quick and page_size == 16))
         torch.cuda.empty_cache()
     return results
 
@@ -328,6 +373,7 @@ def main() -> None:
         results["store"] = bench_store()
     if args.only in (None, "decode"):
         results["decode"] = bench_decode(args.quick)
+        results["decode_small"] = bench_decode_small()
     if args.only in (None, "extend"):
         results["extend"] = bench_extend(args.quick)
 
@@ -346,6 +392,10 @@ def main() -> None:
                 f"{'  best variant p' + str(r['page_size']):<44} {r['ms'] * 1e3:>10.1f}  "
                 f"splits={r['splits']} {r['cfg']} {r['frac_peak']:.0%}"
             )
+    for r in results.get("decode_small", []):
+        if r["auto"]:
+            print(f"{'decode B8x8192 p16 auto splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
+                  f"{r['frac_peak']:.0%} of 4.3 TB/s")
     for r in results.get("extend", []):
         print(
             f"{'extend 8x(2048+256) p' + str(r['page_size']) + ' triton':<44} {r['ms_triton'] * 1e3:>10.1f}  "

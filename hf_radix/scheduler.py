@@ -105,6 +105,8 @@ class Scheduler:
             for req in [*self.prefilling, *self.running]:
                 self._release(req, "abort", None)
             self.pending.clear()
+            self.prefilling.clear()
+            self.running.clear()
             raise
         finally:
             bar.close()

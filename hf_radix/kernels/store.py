@@ -46,6 +46,7 @@ _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}  # arch -> loaded library
 _errors: dict[str, str] = {}  # arch -> why the CUDA path is unavailable
 _warned: set[str] = set()
+_dev_libs: dict[int, ctypes.CDLL] = {}  # device index -> loaded library (fast path)
 #: Filled by the first successful build/load: {"seconds", "cached", "path", "arch"}.
 STORE_BUILD_INFO: dict[str, Any] = {}
 
@@ -230,8 +231,9 @@ def _store_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Te
     v_cache.index_copy_(0, loc, v)
 
 
-def _store_cuda(lib: ctypes.CDLL, k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor,
-                k: torch.Tensor, v: torch.Tensor, segs: list[tuple[int, int, int]]) -> None:
+def _store_cuda(lib: ctypes.CDLL, dev: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segs: list[tuple[int, int, int]]) -> None:
     es = k.element_size()
     num_segs, seg_elems, _ = segs[0]
     strides = (ctypes.c_int64 * 8)(
@@ -239,8 +241,7 @@ def _store_cuda(lib: ctypes.CDLL, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         v.stride(0) * es, segs[1][2] * es, v_cache.stride(0) * es, segs[3][2] * es,
     )
     out_loc = out_loc.contiguous()
-    dev = k.device.index if k.device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(k.device).cuda_stream
+    stream = torch.cuda.current_stream(dev).cuda_stream
     err = lib.hf_radix_store_kv(
         k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(),
         int(out_loc.dtype == torch.int64), k.shape[0], num_segs, seg_elems * es, strides, dev, stream,
@@ -278,16 +279,20 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
         return
     reason = None
     lib = None
+    dev = -1
     segs = [_segments(t) for t in (k, v, k_cache, v_cache)]
     if any(sg is None for sg in segs):
         reason = "the rows of k / v / k_cache / v_cache are not strided segments with a contiguous last dim"
     elif len({(sg[0], sg[1]) for sg in segs}) != 1:
         reason = f"inconsistent row layouts {segs}"
     else:
-        try:
-            lib = _get_lib(device_arch(k.device))
-        except RuntimeError as exc:
-            reason = str(exc)
+        dev = k.device.index if k.device.index is not None else torch.cuda.current_device()
+        lib = _dev_libs.get(dev)
+        if lib is None:
+            try:
+                lib = _dev_libs[dev] = _get_lib(device_arch(dev))
+            except RuntimeError as exc:
+                reason = str(exc)
     if lib is None:
         if backend == "cuda":
             raise RuntimeError(f"store_kv(backend='cuda') unavailable: {reason}")
@@ -296,4 +301,4 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
         return
     if k.shape[0] == 0:
         return
-    _store_cuda(lib, k_cache, v_cache, out_loc, k, v, segs)  # type: ignore[arg-type]
+    _store_cuda(lib, dev, k_cache, v_cache, out_loc, k, v, segs)  # type: ignore[arg-type]
