@@ -140,10 +140,11 @@ def bench_decode_small() -> list[dict[str, Any]]:
     kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
     auto = ta.pick_num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
     results = []
-    for splits in sorted({1, 4, auto, 8, 16, 32}):
+    for rep, splits in [(r, sp) for r in range(2) for sp in sorted({1, 4, auto, 8, 16, 32})]:
         ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, None)
         bw = kv_bytes / (ms * 1e-3)
-        results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "ms": ms,
+        results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "rep": rep,
+                        "ms": ms,
                         "frac_peak": bw / PEAK_BW})
         print(f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}: "
               f"{ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
@@ -157,18 +158,26 @@ def bench_decode_small() -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------------
 
 
-EXTEND_SWEEP = (
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4},
-)
+EXTEND_SWEEP = {
+    128: (
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    ),
+    256: (
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
+    ),
+}
 
 
-def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False) -> dict[str, Any]:
-    rows, cached, new, hq, hkv, d = 8, 2048, 256, 32, 8, 128
+def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: int = 128) -> dict[str, Any]:
+    rows, cached, new, hkv = 8, 2048, 256, 8
+    hq = 32 if d <= 128 else 16
     dev, dtype = "cuda", torch.bfloat16
     total = cached + new
     slots = shuffled_slots(rows, total, page_size, gen).to(dev)  # [rows, total]
@@ -225,7 +234,7 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False) -> di
     ms_sdpa_gather = bench(lambda: sdpa(*gather()))
     ms_sdpa = bench(lambda: sdpa(k_g, v_g))
     sweep_res = []
-    for cfg in EXTEND_SWEEP if sweep else ():
+    for cfg in EXTEND_SWEEP.get(d, ()) if sweep else ():
         ta._EXTEND_CFG_OVERRIDE = cfg
         try:
             triton_fn()
@@ -240,6 +249,8 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False) -> di
     flops = 4 * hq * d * keys
     res = {
         "page_size": page_size,
+        "head_dim": d,
+        "q_heads": hq,
         "rows": rows,
         "cached": cached,
         "new": new,
@@ -248,10 +259,12 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False) -> di
         "ms_sdpa_no_gather": ms_sdpa,
         "tflops_triton": flops / (ms_triton * 1e-3) / 1e12,
         "rel_err_vs_sdpa": err,
-        "cfg": ta._extend_config(d, dtype, torch.device(dev)), "sweep": sweep_res,
+        "cfg": ta._extend_config(d, dtype, torch.device(dev)),
+        "sweep": sweep_res,
     }
     print(
-        f"extend p{page_size:<2}: triton {ms_triton * 1e3:7.1f} us ({res['tflops_triton']:.0f} TFLOP/s)  "
+        f"extend p{page_size:<2} d{d}: triton {ms_triton * 1e3:7.1f} us "
+        f"({res['tflops_triton']:.0f} TFLOP/s)  "
         f"sdpa+gather {ms_sdpa_gather * 1e3:7.1f} us  sdpa {ms_sdpa * 1e3:7.1f} us  err {err:.1e}",
         flush=True,
     )
@@ -264,6 +277,8 @@ def bench_extend(quick: bool) -> list[dict[str, Any]]:
     for page_size in (16,) if quick else (1, 16):
         results.append(_extend_one(page_size, gen, sweep=not quick and page_size == 16))
         torch.cuda.empty_cache()
+    if not quick:  # Gemma-2-like heads (16 q / 8 kv, head_dim 256)
+        results.append(_extend_one(16, gen, sweep=True, d=256))
     return results
 
 
@@ -281,6 +296,38 @@ t1 = time.perf_counter()
 secs = store.build_store_kernel()
 print("LOAD", t1 - t0, secs, store.STORE_BUILD_INFO.get("cached"))
 """
+
+
+def store_host_breakdown(pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, n: int = 3000) -> dict:
+    """Host microseconds per call of the pieces of store_kv's CUDA path (launches are tiny)."""
+    import ctypes
+
+    dev = k.device.index or 0
+    lib = store_mod._dev_libs[dev]
+    segs = [store_mod._segments(t) for t in (k, k, pool[0], pool[1])]
+    kc, vc = pool[0], pool[1]
+    pieces = {
+        "check": lambda: store_mod._check(kc, vc, loc, k, k),
+        "segments_x4": lambda: [store_mod._segments(t) for t in (k, k, kc, vc)],
+        "current_stream": lambda: torch.cuda.current_stream(dev).cuda_stream,
+        "ctypes_array": lambda: (ctypes.c_int64 * 8)(1, 2, 3, 4, 5, 6, 7, 8),
+        "data_ptr_x5": lambda: (k.data_ptr(), k.data_ptr(), kc.data_ptr(), vc.data_ptr(), loc.data_ptr()),
+        "store_cuda": lambda: store_mod._store_cuda(lib, dev, kc, vc, loc, k, k, segs),
+        "store_kv": lambda: store_mod.store_kv(kc, vc, loc, k, k, backend="cuda"),
+        "store_kv_torch": lambda: store_mod.store_kv(kc, vc, loc, k, k, backend="torch"),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+        torch.cuda.synchronize()
+    parts = ", ".join(f"{k_}={v:.1f}" for k_, v in out.items())
+    print(f"store host breakdown (us/call): {parts}", flush=True)
+    return out
 
 
 def bench_store() -> dict[str, Any]:
@@ -347,6 +394,7 @@ def bench_store() -> dict[str, Any]:
         torch.cuda.synchronize()
         res[f"host_us_per_call_{backend}"] = host * 1e6
     cached_s = res.get("cached_load_s", float("nan"))
+    res["host_breakdown_us"] = store_host_breakdown(pool, small_loc, small_k)
     print(
         f"store first build {res['first_build_s']:.2f} s, cached load {cached_s:.3f}"
         f" s; host us/call cuda {res['host_us_per_call_cuda']:.1f} torch {res['host_us_per_call_torch']:.1f}"
@@ -397,10 +445,8 @@ def main() -> None:
             print(f"{'decode B8x8192 p16 auto splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
                   f"{r['frac_peak']:.0%} of 4.3 TB/s")
     for r in results.get("extend", []):
-        print(
-            f"{'extend 8x(2048+256) p' + str(r['page_size']) + ' triton':<44} {r['ms_triton'] * 1e3:>10.1f}  "
-            f"{r['tflops_triton']:.0f} TFLOP/s"
-        )
+        label = f"extend 8x(2048+256) d{r['head_dim']} p{r['page_size']} triton"
+        print(f"{label:<44} {r['ms_triton'] * 1e3:>10.1f}  {r['tflops_triton']:.0f} TFLOP/s")
         print(
             f"{'  sdpa (gather included)':<44} {r['ms_sdpa_with_gather'] * 1e3:>10.1f}  "
             f"x{r['ms_sdpa_with_gather'] / r['ms_triton']:.2f} vs triton"

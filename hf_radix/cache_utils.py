@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import inspect
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -33,7 +36,7 @@ class RadixCache(Cache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores this layer's new K/V (`[1, kv_heads, T, head_dim]`) into the pool; returns them unchanged."""
+        """Stores this layer's new K/V (`[1, kv_heads, T, head_dim]`) in the pool; returns them unchanged."""
         if self.batch is None:
             raise RuntimeError("RadixCache.update called outside an hf_radix forward")
         k = key_states[0].transpose(0, 1)
@@ -51,6 +54,9 @@ class RadixCache(Cache):
         return 0
 
 
+OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds`: never matched, never cached
+
+
 class RadixGenerateCache(RadixCache):
     """The cache `generate(..., cache_implementation="radix")` runs with: one per call.
 
@@ -60,202 +66,450 @@ class RadixGenerateCache(RadixCache):
     computed once. `finish` inserts prompts and answers into the tree and releases every lock.
     """
 
-    def __init__(self, engine: RadixEngine, eos_token_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        engine: RadixEngine,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        prefill_chunk_size: int | None = None,
+        logits_to_keep: bool = True,
+    ):
         super().__init__(engine)
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.rows: list[int] = []  # page-table row of each batch row
+        self.max_new_tokens = max_new_tokens
+        self.max_length = max_length
+        self.prefill_chunk_size = prefill_chunk_size
+        self.supports_logits_to_keep = logits_to_keep
+        self.rows: list[int | None] = []  # page-table row of each batch row; None once released
         self.tokens: list[list[int]] = []  # real (unpadded) tokens of each batch row
         self.computed: list[int] = []  # tokens of each row with K/V in the pool
         self.prompt_lens: list[int] = []
+        self.opaque: list[bool] = []  # prompt given as inputs_embeds: nothing of the row is matched or cached
         self.seen = 0  # padded length generate has handed us so far
-        self.steps = 0
-        self._logits_rows: torch.Tensor | None = None
-        self._pending_copies: list[tuple[int, int]] = []  # (follower row, leader row) of the first step
+        self.steps = 0  # hooked forwards done (each is followed by one sampled token per row)
+        self.finished = False
+        self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
+        self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
+        self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
+        self._inner = False  # inside one of our own prefill-chunk forwards
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
     # -- hooks ---------------------------------------------------------------------------------------
-    def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args or kwargs.get("input_ids") is None:
-            raise ValueError("generate with cache_implementation='radix' needs input_ids (inputs_embeds unsupported)")
+    def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Replaces generate's padded step with a packed batch of the tokens not in the pool yet."""
+        if self._inner or "radix_cache" in kwargs:
+            return None  # our own prefill chunk, or another hf_radix forward (a runner) run inside generate
+        if self.finished:
+            raise RuntimeError("this generate(cache_implementation='radix') call has already finished")
+        if args:
+            raise TypeError("cache_implementation='radix' expects the model called with keyword arguments")
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             raise ValueError("cache_implementation='radix' cannot return attentions or hidden states")
-        input_ids: torch.Tensor = kwargs["input_ids"]
+        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        step = embeds if embeds is not None else input_ids
+        if step is None:
+            raise ValueError("cache_implementation='radix' needs input_ids or inputs_embeds")
         mask = kwargs.get("attention_mask")
-        total = mask.shape[1] if mask is not None else self.seen + input_ids.shape[1]
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("cache_implementation='radix' needs a 2D attention_mask (batch, length)")
+        width = step.shape[1]
+        total = mask.shape[1] if mask is not None else self.seen + width
         fresh = total - self.seen
-        if fresh > input_ids.shape[1]:
-            raise RuntimeError(f"generate skipped {fresh - input_ids.shape[1]} tokens the radix cache never saw")
-        new_ids = input_ids[:, input_ids.shape[1] - fresh:].tolist()
+        if not 0 < fresh <= width:
+            raise RuntimeError(f"generate passed {width} positions for {fresh} new ones; radix cannot follow")
         if not self.rows:
-            self._open_rows(new_ids, None if mask is None else mask.tolist())
+            self._open_rows(input_ids, embeds, mask, fresh)
+        elif embeds is not None:
+            raise ValueError("cache_implementation='radix' takes inputs_embeds for the prompt only")
         else:
-            for row, ids in enumerate(new_ids):
+            for row, ids in enumerate(input_ids[:, width - fresh:].tolist()):
                 self.tokens[row].extend(ids)
         self.seen = total
-        self.batch = self._build_batch()
-        kwargs = {
-            **kwargs,
-            "input_ids": self.batch.input_ids[None],
-            "position_ids": self.batch.positions[None],
-            "attention_mask": None,
-            "logits_to_keep": self.batch.logits_indices,
-            "radix_cache": self,
-        }
-        return args, kwargs
+        if self.steps == 0 and self.prefill_chunk_size:
+            self._prefill_in_chunks(module)
+        self.batch, packed_embeds = self._make_batch(None, logits=True)
+        kwargs = {key: value for key, value in kwargs.items() if key != "cache_position"}
+        kwargs.update(self._model_inputs(self.batch, packed_embeds))
+        kwargs["attention_mask"] = None
+        return (), kwargs
 
     def post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output):
-        logits = output.logits[0][self._logits_rows][:, None, :]
-        self.engine.stats.computed_tokens += self.batch.num_tokens
+        """Turns the packed logits into generate's `(B, 1, vocab)`; shares duplicated prompts after step 0."""
+        if self._inner or kwargs.get("radix_cache") is not self:
+            return None
+        batch = self.batch
+        logits = output.logits[0]
+        if not self.supports_logits_to_keep:
+            logits = logits[batch.logits_indices]
+        if self._logits_rows is not None:
+            logits = logits[self._logits_rows]
+        output.logits = logits[:, None, :]
+        self.engine.stats.computed_tokens += batch.num_tokens
         self.engine.stats.forward_calls += 1
-        for row in range(len(self.rows)):
-            self.computed[row] = len(self.tokens[row])
+        for b in range(len(self.rows)):
+            if b not in self._followers:
+                self.computed[b] = len(self.tokens[b])
         if self.steps == 0:
+            self._embeds = None
             self._share_duplicates()
         self.steps += 1
         self.batch = None
-        output.logits = logits
         return output
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
-    def _open_rows(self, ids: list[list[int]], mask: list[list[int]] | None) -> None:
+    def _open_rows(
+        self,
+        input_ids: torch.Tensor | None,
+        embeds: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        fresh: int,
+    ) -> None:
+        """Matches and locks each row's cached prefix (the first forward of the call)."""
+        step = embeds if embeds is not None else input_ids
+        size, width = step.shape[0], step.shape[1]
+        if mask is None:
+            lens = [fresh] * size
+        else:
+            mask = mask[:, -fresh:].bool()
+            counts = mask.sum(1)
+            left_padded = torch.arange(fresh, device=mask.device)[None, :] >= (fresh - counts)[:, None]
+            if not torch.equal(mask, left_padded):
+                raise ValueError(
+                    "cache_implementation='radix' needs left padding (tokenizer padding_side='left') and no "
+                    "holes in the attention_mask"
+                )
+            lens = counts.tolist()
+        if min(lens) == 0:
+            raise ValueError(f"row {lens.index(0)} of the batch is empty (all padding)")
+        ids = None if embeds is not None else input_ids[:, width - fresh:].tolist()
         manager = self.engine.manager
-        leaders: dict[tuple[int, ...], int] = {}
-        for b, row_ids in enumerate(ids):
-            tokens = row_ids if mask is None else [t for t, m in zip(row_ids, mask[b]) if m]
-            if mask is not None and 0 in mask[b][len(row_ids) - len(tokens):]:
-                raise ValueError("cache_implementation='radix' needs left padding (padding_side='left')")
-            if not tokens:
-                raise ValueError(f"row {b} of the batch is empty (all padding)")
-            self.tokens.append(list(tokens))
-            self.prompt_lens.append(len(tokens))
-            leader = leaders.setdefault(tuple(tokens), b)
-            handle = manager.match(tokens)
+        first_row_of: dict[tuple[int, ...], int] = {}
+        for b, n in enumerate(lens):
+            tokens = [OPAQUE_TOKEN] * n if ids is None else ids[b][fresh - n:]
+            handle = manager.match([] if ids is None else tokens)
             manager.lock(handle)
             self.rows.append(manager.open_row(handle))
+            self.tokens.append(tokens)
             self.computed.append(handle.cached_len)
-            self.engine.record_prompt(len(tokens), handle.cached_len)
+            self.prompt_lens.append(n)
+            self.opaque.append(ids is None)
+            leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
             if leader != b:
-                self._pending_copies.append((b, leader))
+                self._followers[b] = leader
+            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+        if embeds is not None:
+            self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
+        if self._followers:
+            leaders = [b for b in range(size) if b not in self._followers]
+            position = {b: i for i, b in enumerate(leaders)}
+            gather = [position[self._followers.get(b, b)] for b in range(size)]
+            self._logits_rows = torch.tensor(gather, device=self.engine.device)
+        self._check_capacity(width)
 
-    def _build_batch(self) -> ForwardBatch:
-        followers = {b for b, _ in self._pending_copies}
-        compute = [b for b in range(len(self.rows)) if b not in followers]
+    def _check_capacity(self, padded_len: int) -> None:
+        """Fails early, with advice, when the call's worst case cannot fit in the pool."""
         manager = self.engine.manager
-        manager.allocate([self.rows[b] for b in compute], [len(self.tokens[b]) for b in compute])
+        ps = manager.page_size
+        if self.max_new_tokens is not None:
+            max_new = self.max_new_tokens
+        else:
+            max_new = (self.max_length or padded_len) - padded_len
+        need = 0
+        for b, row in enumerate(self.rows):
+            n = self.prompt_lens[b]
+            start = n - n % ps if b in self._followers else manager.row_cached_len(row)
+            need += manager.pages_for(start, n + max(max_new, 0)) * ps
+        available = manager.available_size
+        if need > available:
+            raise ValueError(
+                f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
+                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
+                "or lower max_new_tokens or the batch size"
+            )
+
+    def _compute_rows(self) -> list[int]:
+        return [b for b in range(len(self.rows)) if b not in self._followers]
+
+    def _make_batch(
+        self, ends: dict[int, int] | None, logits: bool
+    ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """Packs rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end)."""
+        if ends is None:
+            ends = {b: len(self.tokens[b]) for b in self._compute_rows()}
+        rows = list(ends)
+        manager = self.engine.manager
+        manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
         batch = build_forward_batch(
-            [manager.row_slots(self.rows[b]) for b in compute],
-            [np.asarray(self.tokens[b][self.computed[b]:]) for b in compute],
-            [self.computed[b] for b in compute],
-            None,
+            [manager.row_slots(self.rows[b]) for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
+            [self.computed[b] for b in rows],
+            None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
             self.engine.device,
         )
-        position = {b: i for i, b in enumerate(compute)}
-        leader_of = dict(self._pending_copies)
-        gather = [position[leader_of.get(b, b)] for b in range(len(self.rows))]
-        self._logits_rows = torch.tensor(gather, device=self.engine.device)
-        return batch
+        packed = None
+        if self._embeds is not None:
+            packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
+        return batch, packed
+
+    def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
+        inputs = {
+            "input_ids": batch.input_ids[None] if embeds is None else None,
+            "inputs_embeds": embeds,
+            "position_ids": batch.positions[None],
+            "radix_cache": self,
+            self.engine.cache_kwarg: self,
+        }
+        if self.supports_logits_to_keep:
+            inputs["logits_to_keep"] = batch.logits_indices
+        return inputs
+
+    def _prefill_in_chunks(self, module: torch.nn.Module) -> None:
+        """Computes the prompts in forwards of <= `prefill_chunk_size` tokens; generate's own is the last."""
+        budget = self.prefill_chunk_size
+        rows = self._compute_rows()
+        while sum(len(self.tokens[b]) - self.computed[b] for b in rows) > budget:
+            ends, left = {}, budget
+            for b in rows:
+                take = min(len(self.tokens[b]) - self.computed[b] - 1, left)  # each row's last token stays
+                if take > 0:
+                    ends[b] = self.computed[b] + take
+                    left -= take
+                if left == 0:
+                    break
+            if not ends:
+                return
+            batch, embeds = self._make_batch(ends, logits=False)
+            self.batch, self._inner = batch, True
+            try:
+                module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
+            finally:
+                self.batch, self._inner = None, False
+            self.engine.stats.computed_tokens += batch.num_tokens
+            self.engine.stats.forward_calls += 1
+            for b, end in ends.items():
+                self.computed[b] = end
 
     def _share_duplicates(self) -> None:
-        """Inserts first-step prompts into the tree; duplicate rows then reuse the leader's K/V."""
+        """After the first step: rows with a duplicated prompt reuse the K/V their first copy computed."""
+        if not self._followers:
+            return
         manager = self.engine.manager
-        followers = {b for b, _ in self._pending_copies}
-        for b, row in enumerate(self.rows):
-            if b not in followers:
-                manager.cache_req(row, self.tokens[b], self.computed[b], finished=False)
-        for b, leader in self._pending_copies:
-            # Re-open the follower on the prefix its leader just cached, then copy the unaligned tail.
-            tokens = self.tokens[b]
-            manager.release_row(self.rows[b], tokens, manager.row_cached_len(self.rows[b]))
-            handle = manager.match(tokens + [0])
+        for leader in set(self._followers.values()):
+            manager.cache_req(self.rows[leader], self.tokens[leader], self.computed[leader], finished=False)
+        for b, leader in self._followers.items():
+            # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
+            tokens, row = self.tokens[b], self.rows[b]
+            self.rows[b] = None
+            manager.release_row(row, tokens, self.computed[b])
+            handle = manager.match([*tokens, 0])
             manager.lock(handle)
             self.rows[b] = manager.open_row(handle)
+            self.computed[b] = handle.cached_len
             manager.allocate([self.rows[b]], [len(tokens)])
             src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)]
             dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)]
             self.engine.pool.copy_slots(src, dst)
+            self.computed[b] = len(tokens)
             manager.cache_req(self.rows[b], tokens, len(tokens), finished=False)
-        self._pending_copies.clear()
+        self._followers.clear()
+        self._logits_rows = None
 
-    def finish(self) -> None:
-        """Caches every row's prompt and answer (up to its first EOS) and releases all locks."""
+    def finish(self, sequences: torch.Tensor | None = None) -> None:
+        """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
+
+        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        last = None
+        size = len(self.rows)
+        if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
+            last = sequences[:, -1].tolist()
         manager = self.engine.manager
+        generated = 0
         with manager.lazy_free_region():
             for b, row in enumerate(self.rows):
-                tokens = self.tokens[b]
-                answer_eos = [i for i in range(self.prompt_lens[b], len(tokens)) if tokens[i] in self.eos_token_ids]
-                keep = answer_eos[0] + 1 if answer_eos else len(tokens)
-                manager.release_row(row, tokens[:keep], min(self.computed[b], keep))
-                self.engine.stats.generated_tokens += len(tokens) - self.prompt_lens[b]
-        self.rows.clear()
+                tokens = self.tokens[b] if last is None else [*self.tokens[b], last[b]]
+                keep = len(tokens)
+                if self.eos_token_ids:
+                    eos = (i + 1 for i in range(self.prompt_lens[b], keep) if tokens[i] in self.eos_token_ids)
+                    keep = next(eos, keep)
+                generated += keep - self.prompt_lens[b]
+                if row is not None:
+                    self.rows[b] = None
+                    manager.release_row(row, tokens, 0 if self.opaque[b] else min(self.computed[b], keep))
+        self.engine.stats.generated_tokens += generated
 
 
 CACHE_IMPLEMENTATION = "radix"
+_SUPPORTED_MODES = ("greedy_search", "sample")
+_active_engines: set[int] = set()
+_active_lock = threading.Lock()
 
 
-def _requested_cache_implementation(model, kwargs: dict) -> str | None:
+def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | None:
     if "cache_implementation" in kwargs:
         return kwargs["cache_implementation"]
-    config = kwargs.get("generation_config") or model.generation_config
-    return getattr(config, "cache_implementation", None)
+    config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+    return getattr(config or model.generation_config, "cache_implementation", None)
 
 
-def _check_generate_mode(model, kwargs: dict) -> None:
-    config = kwargs.get("generation_config") or model.generation_config
-    num_beams = kwargs.get("num_beams", getattr(config, "num_beams", 1)) or 1
-    if num_beams > 1:
+def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
+    """`generate`'s positional arguments (after the prompt tensor's `self`) turned into keywords."""
+    if not args:
+        return dict(kwargs)
+    params = list(inspect.signature(original).parameters.values())[1:]
+    names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(args) > len(names):
+        raise TypeError(f"generate() takes at most {len(names)} positional arguments, got {len(args)}")
+    out = dict(kwargs)
+    for name, value in zip(names, args, strict=False):
+        if name in out:
+            raise TypeError(f"generate() got multiple values for argument {name!r}")
+        out[name] = value
+    return out
+
+
+def _effective_config(model, kwargs: dict):
+    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords."""
+    rest = {key: value for key, value in kwargs.items() if key != "generation_config"}
+    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    return config
+
+
+def _check_supported(model, config, kwargs: dict) -> None:
+    """Raises a ValueError naming the alternative for everything the radix path cannot do."""
+    if model.config.is_encoder_decoder:
+        raise ValueError("cache_implementation='radix' supports decoder-only models")
+    mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
+    if mode not in _SUPPORTED_MODES:
+        if mode is not None and "beam" in mode:
+            raise ValueError(
+                "cache_implementation='radix' does not support beam search (num_beams > 1); use num_beams=1 "
+                "(greedy, or do_sample=True with num_return_sequences for several answers), or drop "
+                "cache_implementation='radix' to run beam search on the default cache"
+            )
+        if mode == "assisted_generation":
+            raise ValueError(
+                "cache_implementation='radix' does not support assisted decoding (assistant_model, "
+                "prompt_lookup_num_tokens, assistant_early_exit); drop those arguments, or drop "
+                "cache_implementation='radix' to run assisted decoding on the default cache"
+            )
         raise ValueError(
-            "cache_implementation='radix' does not support beam search; use num_beams=1 (with "
-            "num_return_sequences and sampling for several answers) or the default cache for beams"
+            f"cache_implementation='radix' supports greedy decoding and sampling, not {mode!r}; use those, "
+            "or drop cache_implementation='radix' to use the default cache"
         )
-    if kwargs.get("assistant_model") is not None or kwargs.get("prompt_lookup_num_tokens"):
+    if config.use_cache is False:
         raise ValueError(
-            "cache_implementation='radix' does not support assisted decoding; drop assistant_model / "
-            "prompt_lookup_num_tokens, or use the default cache"
+            "cache_implementation='radix' is a KV cache and needs use_cache=True; drop use_cache=False, or "
+            "drop cache_implementation='radix' to generate without a cache"
         )
-    if kwargs.get("inputs_embeds") is not None:
-        raise ValueError("cache_implementation='radix' needs input_ids, not inputs_embeds")
+    if config.output_attentions or config.output_hidden_states:
+        raise ValueError(
+            "cache_implementation='radix' cannot return attentions or hidden states (its attention computes "
+            "neither); drop output_attentions / output_hidden_states, or use the default cache"
+        )
+    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
+        raise ValueError(
+            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
+            "cached prefix is reused automatically) and no past_key_values"
+        )
 
 
-def _radix_generate(original, model, args: tuple, kwargs: dict):
+def _eos_ids(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(e) for e in eos.reshape(-1).tolist()]
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _sequences(result) -> torch.Tensor | None:
+    if isinstance(result, torch.Tensor):
+        return result
+    return getattr(result, "sequences", None)
+
+
+def _radix_generate(original, model, kwargs: dict):
+    """Runs `original` generate with a RadixGenerateCache and its hooks; always releases what it holds."""
     from .engine import get_engine, radix_attention
 
-    _check_generate_mode(model, kwargs)
+    config = _effective_config(model, kwargs)
+    _check_supported(model, config, kwargs)
     engine = get_engine(model)
-    eos = kwargs.get("eos_token_id", getattr(model.generation_config, "eos_token_id", None))
-    cache = RadixGenerateCache(engine, [] if eos is None else [eos] if isinstance(eos, int) else list(eos))
-    kwargs = {**kwargs, "cache_implementation": None, engine.cache_kwarg: cache}
-    hooks = [
-        model.register_forward_pre_hook(cache.pre_forward, with_kwargs=True),
-        model.register_forward_hook(cache.post_forward, with_kwargs=True),
-    ]
+    cache = RadixGenerateCache(
+        engine,
+        _eos_ids(config.eos_token_id),
+        max_new_tokens=config.max_new_tokens,
+        max_length=config.max_length,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
+    )
+    call = dict(kwargs)
+    if call.get("generation_config") is not None:
+        # The user's object stays untouched; generate gets a copy without what the radix path takes over.
+        call["generation_config"] = copy.deepcopy(call["generation_config"])
+        call["generation_config"].cache_implementation = None
+        call["generation_config"].prefill_chunk_size = None
+        call.pop("cache_implementation", None)
+        call.pop("prefill_chunk_size", None)
+    else:
+        call["cache_implementation"] = None
+        if cache.prefill_chunk_size is not None:
+            call["prefill_chunk_size"] = None
+    call[engine.cache_kwarg] = cache
+    with _active_lock:
+        if id(engine) in _active_engines:
+            raise RuntimeError(
+                "another generate(cache_implementation='radix') is running on this model; run the calls one "
+                "after another or pass the prompts as one batch"
+            )
+        _active_engines.add(id(engine))
+    result = None
     try:
-        with radix_attention(model):
-            return original(model, *args, **kwargs)
+        hooks = [
+            model.register_forward_pre_hook(cache.pre_forward, with_kwargs=True),
+            model.register_forward_hook(cache.post_forward, with_kwargs=True),
+        ]
+        try:
+            with radix_attention(model):
+                result = original(model, **call)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            cache.finish(_sequences(result))
     finally:
-        for hook in hooks:
-            hook.remove()
-        cache.finish()
+        with _active_lock:
+            _active_engines.discard(id(engine))
+    return result
 
 
 def register_generate_support() -> None:
-    """Makes "radix" a valid `cache_implementation` and routes such `generate` calls here (idempotent)."""
+    """Makes "radix" a valid `cache_implementation` and routes such `generate` calls here (idempotent).
+
+    Touches transformers in two places only: the tuple of valid cache implementations, and a thin wrapper
+    around `GenerationMixin.generate` that passes every other call through unchanged.
+    """
     from transformers.generation import configuration_utils as gen_config
     from transformers.generation.utils import GenerationMixin
 
     if CACHE_IMPLEMENTATION not in gen_config.ALL_CACHE_IMPLEMENTATIONS:
         gen_config.ALL_CACHE_IMPLEMENTATIONS = (*gen_config.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION)
-        gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS = (*gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION)
     if getattr(GenerationMixin.generate, "_hf_radix", False):
         return
     original = GenerationMixin.generate
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
-        if _requested_cache_implementation(self, kwargs) != CACHE_IMPLEMENTATION:
+        if _requested_cache_implementation(self, args, kwargs) != CACHE_IMPLEMENTATION:
             return original(self, *args, **kwargs)
-        return _radix_generate(original, self, args, kwargs)
+        return _radix_generate(original, self, _as_keywords(original, args, kwargs))
 
     generate._hf_radix = True
     GenerationMixin.generate = generate

@@ -27,8 +27,8 @@ class Req:
     """One prompt moving through match → lock → allocate → prefill (chunks) → decode → release.
 
     `num_computed` tokens have K/V in the pool; `token_ids[num_computed:]` are still to be computed.
-    A scoring request (`score_from` set) wants the logits of positions `score_from .. prompt_len - 2`
-    and generates nothing.
+    A scoring request (`score_from` set) wants the logits of positions `score_from .. len(token_ids) - 2`
+    and generates nothing; its last token is never computed (`prompt_len` excludes it).
     """
 
     index: int
@@ -46,7 +46,7 @@ class Req:
     error: str | None = None
 
     def __post_init__(self):
-        self.prompt_len = len(self.token_ids)
+        self.prompt_len = len(self.token_ids) - (self.score_from is not None)
 
     @property
     def generated(self) -> list[int]:
@@ -72,5 +72,5 @@ class Req:
         if self.score_from is None:
             wanted = [end - start - 1] if end == len(self.token_ids) else []
             return np.array(wanted, dtype=np.int64)
-        first, last = max(start, self.score_from), min(end, self.prompt_len - 1)
+        first, last = max(start, self.score_from), min(end, len(self.token_ids) - 1)
         return np.arange(first - start, last - start, dtype=np.int64)

@@ -79,14 +79,16 @@ class PageModel:
             self.locks[p] += delta
             assert self.locks[p] >= 0
 
-    def evict_one(self) -> tuple[tuple, int]:
+    def evict_one(self) -> tuple[tuple, int, int]:
+        """Removes the oldest unlocked leaf page; returns (prefix, slot page start, tick)."""
         parents = {p[: -self.ps] for p in self.pages}
         leaves = [p for p in self.pages if p not in parents and not self.locks[p]]
         assert leaves, "model has nothing left to evict"
         ticks = sorted(self.pages[p][1] for p in leaves)
         assert len(ticks) < 2 or ticks[0] < ticks[1], "unreferenced leaf ticks must be distinct"
         victim = min(leaves, key=lambda p: self.pages[p][1])
-        return victim, self.pages.pop(victim)[0]
+        start, tick = self.pages.pop(victim)
+        return victim, start, tick
 
     def sizes(self) -> SizeInfo:
         protected = sum(1 for p in self.pages if self.locks[p]) * self.ps
@@ -147,14 +149,18 @@ class RadixMachine(RuleBasedStateMachine):
         assert n <= len(out) < n + MAX_PAGES * self.ps, "evict frees whole nodes, at most one node too many"
         assert len(out) % self.ps == 0
         removed = [self.model.evict_one() for _ in range(len(out) // self.ps)]
-        expected = page_slots([start for _, start in removed], self.ps)
+        expected = page_slots([start for _, start, _ in removed], self.ps)
         np.testing.assert_array_equal(np.sort(out), np.sort(expected))  # exactly the LRU pages
-        gone = {prefix for prefix, _ in removed}
+        # It stops after the first node that reaches n; the last node's pages share one tick.
+        if removed:
+            before_last = sum(1 for *_, tick in removed if tick != removed[-1][2]) * self.ps
+            assert before_last < n, "evicted another node after already freeing enough"
+        gone = {prefix for prefix, _, _ in removed}
         for e in self.handles:
             if e["prefix"] in gone:
                 assert not e["h"].locked
                 e["stale"] = True
-        self.free.extend(start for _, start in removed)
+        self.free.extend(start for _, start, _ in removed)
 
     def alloc(self, npages: int) -> list[int] | None:
         short = npages - len(self.free)

@@ -182,6 +182,12 @@ def cuda_store_available(device: torch.device | int | None = None) -> bool:
 def _segments(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(num_segs, seg_elems, seg_stride) of one row of ``t`` (``[N, *row]``), or None if the rows cannot be
     described as equally strided segments with a contiguous last dim."""
+    if t.dim() == 3:  # fast path: [N, H, D]
+        _, h, d = t.shape
+        _, sh, sd = t.stride()
+        if sd != 1 and d != 1:
+            return None
+        return (h, d, sh) if h != 1 else (1, d, d)
     row_shape, row_strides = t.shape[1:], t.stride()[1:]
     if len(row_shape) == 0:
         return 1, 1, 1
@@ -208,9 +214,10 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, 
         raise ValueError(
             f"out_loc must be a 1-D int32/int64 tensor, got {out_loc.dtype} {tuple(out_loc.shape)}"
         )
-    devs = {k_cache.device, v_cache.device, k.device, v.device, out_loc.device}
-    if len(devs) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(str(d) for d in devs)}")
+    dev = k.device
+    if not (v.device == dev and k_cache.device == dev and v_cache.device == dev and out_loc.device == dev):
+        devs = sorted({str(t.device) for t in (k_cache, v_cache, k, v, out_loc)})
+        raise ValueError(f"all tensors must be on one device, got {devs}")
     n = out_loc.shape[0]
     if k_cache.shape[1:] != v_cache.shape[1:] or k.shape != v.shape:
         raise ValueError(

@@ -161,9 +161,11 @@ def _extend_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    # Grid (q_heads, rows, m_blocks): heads sharing K/V run back to back (L2 reuse); the last (heaviest,
+    # causal) query blocks of every row are scheduled first.
     head = tl.program_id(0)
-    mblk = tl.program_id(1)
-    row = tl.program_id(2)
+    row = tl.program_id(1)
+    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
 
     tok0 = tl.load(qo_indptr + row)
     new_len = tl.load(qo_indptr + row + 1) - tok0
@@ -423,7 +425,7 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> d
     if block_d <= 64:
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_d <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
@@ -508,7 +510,7 @@ def extend_attention(
         raise ValueError("BLOCK_M must be a multiple of BLOCK_N")
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
-    grid = (hq, triton.cdiv(max_new_len, block_m), batch)
+    grid = (hq, batch, triton.cdiv(max_new_len, block_m))
     _extend_kernel[grid](
         q, k_new, v_new, k_cache, v_cache, out,
         qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,

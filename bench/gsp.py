@@ -1,0 +1,160 @@
+"""gsp-8x32: groups of prompts sharing a system prompt, hf_radix vs plain HF `generate`, same process.
+
+8 groups x 32 prompts; prompt = group system prompt (2,048 tokens) + unique question (256 tokens);
+64 new tokens each, greedy, EOS ignored. Llama-3.1-8B shape with random bf16 weights. Also a zero-reuse
+workload (unrelated prompts of the same length). `--tiny` runs a CPU-sized self-check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_radix  # noqa: E402
+from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
+from hf_radix.tiny import tiny_model  # noqa: E402
+
+LLAMA_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+)
+
+
+def build_model(tiny: bool, device: str) -> torch.nn.Module:
+    if tiny:
+        return tiny_model("llama").to(device)
+    config = transformers.LlamaConfig(**LLAMA_8B)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def make_prompts(groups: int, per_group: int, system_len: int, question_len: int, vocab: int, shared: bool,
+                 seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(groups):
+        system = torch.randint(10, vocab, (system_len,), generator=gen).tolist()
+        for _ in range(per_group):
+            own = system if shared else torch.randint(10, vocab, (system_len,), generator=gen).tolist()
+            prompts.append(own + torch.randint(10, vocab, (question_len,), generator=gen).tolist())
+    return prompts
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_hf(model, prompts: list[list[int]], new_tokens: int, batch_size: int, device: str) -> tuple[float, list]:
+    """Plain generate, static batches (prompts are equal-length so no padding), sdpa attention."""
+    model.config._attn_implementation = "sdpa"
+    outs = []
+    sync(device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            ids = torch.tensor(prompts[i:i + batch_size], device=device)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            outs.extend(out[:, ids.shape[1]:].tolist())
+    sync(device)
+    return time.perf_counter() - start, outs
+
+
+def run_radix(runner: RadixBatchRunner, prompts, new_tokens: int, device: str) -> tuple[float, list]:
+    runner.reset_cache()
+    sync(device)
+    start = time.perf_counter()
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), progress=False)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    runner.check_integrity()
+    return elapsed, outs
+
+
+def prefill_check(model, runner: RadixBatchRunner, prompts, device: str) -> float:
+    """Max |log-prob difference| of each prompt's last token: hf_radix prefill vs HF's own forward."""
+    worst = 0.0
+    with torch.inference_mode():
+        for prompt in prompts:
+            logits = model(input_ids=torch.tensor([prompt], device=device)).logits[0, -2].float()
+            ref = logits.log_softmax(-1)[prompt[-1]].item()
+            got, _ = runner.loglikelihood([(prompt[:-1], prompt[-1:])], progress=False)[0]
+            worst = max(worst, abs(got - ref))
+    return worst
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tiny", action="store_true", help="CPU-sized self-check")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--hf-batch", type=int, default=128)
+    parser.add_argument("--skip-zero-reuse", action="store_true")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
+    if args.tiny:
+        groups, per_group, system_len, question_len, new_tokens, hf_batch = 2, 4, 48, 8, 4, 4
+    else:
+        groups, per_group, system_len, question_len, new_tokens, hf_batch = 8, 32, 2048, 256, 64, args.hf_batch
+    model = build_model(args.tiny, device)
+    vocab = model.config.vocab_size
+    runner = RadixBatchRunner(model, max_total_tokens=None if device == "cuda" else 4096, mem_fraction=0.7,
+                              chunked_prefill_size=8192)
+    results: dict = {
+        "workload": f"gsp-{groups}x{per_group}", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "system_len": system_len, "question_len": question_len, "new_tokens": new_tokens,
+        "attn_backend": runner.engine.backend.name, "pool_tokens": runner.engine.pool.num_slots,
+        "transformers": transformers.__version__, "torch": torch.__version__,
+    }
+    shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
+    # warm-up: kernels compiled, allocator settled
+    run_radix(runner, shared[:4], 4, device)
+    run_hf(model, shared[:2], 2, 2, device)
+
+    radix_s, radix_outs = run_radix(runner, shared, new_tokens, device)
+    stats = runner.stats
+    hf_s, hf_outs = run_hf(model, shared, new_tokens, hf_batch, device)
+    agree = statistics.mean(
+        sum(a == b for a, b in zip(o.token_ids, h)) / new_tokens for o, h in zip(radix_outs, hf_outs)
+    )
+    unique_tokens = groups * system_len + len(shared) * question_len
+    results["shared"] = {
+        "radix_s": radix_s, "hf_generate_s": hf_s, "speedup": hf_s / radix_s,
+        "hit_rate": sum(o.cached_tokens for o in radix_outs) / sum(len(p) for p in shared),
+        "radix_output_tok_s": len(shared) * new_tokens / radix_s, "hf_output_tok_s": len(shared) * new_tokens / hf_s,
+        "prompt_tokens": sum(len(p) for p in shared), "unique_prompt_tokens": unique_tokens,
+        "greedy_token_agreement": agree,
+        "roofline_floor_s": unique_tokens * 2 * 8.0e9 / 790e12 + new_tokens * 16e9 / 4.3e12,
+        "runner_stats": repr(stats),
+    }
+    print(json.dumps(results["shared"], indent=1))
+    if not args.skip_zero_reuse:
+        unrelated = make_prompts(groups, per_group, system_len, question_len, vocab, shared=False, seed=1)
+        radix_s, _ = run_radix(runner, unrelated, new_tokens, device)
+        hf_s, _ = run_hf(model, unrelated, new_tokens, hf_batch, device)
+        results["zero_reuse"] = {"radix_s": radix_s, "hf_generate_s": hf_s, "speedup": hf_s / radix_s}
+        print(json.dumps(results["zero_reuse"], indent=1))
+    results["prefill_logprob_max_abs_diff"] = prefill_check(model, runner, shared[:4], device)
+    print("prefill log-prob max abs diff vs HF:", results["prefill_logprob_max_abs_diff"])
+    print(f"\n{'workload':<14}{'hf_radix s':>12}{'HF generate s':>15}{'ratio':>8}")
+    for name in ("shared", "zero_reuse"):
+        if name in results:
+            r = results[name]
+            print(f"{name:<14}{r['radix_s']:>12.2f}{r['hf_generate_s']:>15.2f}{r['speedup']:>8.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(hf_radix.cache_stats(model))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""The "hf-radix" lm-eval backend agrees with lm-eval's own "hf" backend, sample by sample."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install -e .[eval])")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.api.registry import get_model  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
+
+import hf_radix  # noqa: E402
+from hf_radix.evaluation import rolling_windows  # noqa: E402
+from hf_radix.lm_eval_backend import HFRadixLM  # noqa: E402
+from hf_radix.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+DATA = Path(__file__).with_name("data")
+TASKS = ["hf_radix_tiny_mc", "hf_radix_tiny_ppl", "hf_radix_tiny_gen"]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model("llama", seed=1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def _hf_lm(model, tokenizer, **options):
+    hf_class = pytest.importorskip("lm_eval.models.huggingface", reason="lm-eval's hf backend needs accelerate").HFLM
+    return hf_class(pretrained=model, tokenizer=tokenizer, batch_size=4, **options)
+
+
+def _evaluate(model_name: str, model_args: dict) -> dict:
+    return lm_eval.simple_evaluate(
+        model=model_name, model_args=model_args, tasks=TASKS, log_samples=True, bootstrap_iters=0,
+        task_manager=TaskManager(include_path=str(DATA), include_defaults=False), verbosity="ERROR",
+    )
+
+
+def test_registered_under_hf_radix():
+    assert get_model("hf-radix") is HFRadixLM
+
+
+def test_simple_evaluate_matches_hf_backend(model, tokenizer):
+    pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate")
+    args = {"pretrained": model, "tokenizer": tokenizer, "max_length": 128}
+    radix = _evaluate("hf-radix", {**args, "page_size": 4})
+    stats = hf_radix.cache_stats(model)
+    hf_radix.get_engine(model).check_integrity()
+    hf = _evaluate("hf", {**args, "batch_size": 4})
+
+    mc = "hf_radix_tiny_mc"
+    assert radix["results"][mc]["acc,none"] == hf["results"][mc]["acc,none"]
+    assert radix["results"][mc]["acc_norm,none"] == hf["results"][mc]["acc_norm,none"]
+    assert stats["hit_rate"] > 0.5  # the two-shot preamble and each question are shared by the choices
+    for task in TASKS:
+        ours, theirs = radix["samples"][task], hf["samples"][task]
+        assert len(ours) == len(theirs) == 8
+        for a, b in zip(ours, theirs):
+            assert a["arguments"] == b["arguments"]
+            if task == "hf_radix_tiny_gen":
+                assert a["resps"] == b["resps"]
+                continue
+            got, want = a["filtered_resps"], b["filtered_resps"]
+            if task == mc:
+                assert [g for _, g in got] == [g for _, g in want]
+                got, want = [lp for lp, _ in got], [lp for lp, _ in want]
+            assert got == pytest.approx(want, abs=ATOL)
+
+
+def test_tokenization_edge_cases_match_hf_backend(model, tokenizer):
+    """Empty and space-terminated contexts, left truncation, rolling windows, stop strings."""
+    ours = HFRadixLM(pretrained=model, tokenizer=tokenizer, max_length=24, page_size=4)
+    theirs = _hf_lm(model, tokenizer, max_length=24)
+    long = "The quick brown fox jumps over the lazy dog. " * 4
+    pairs = [("", "Paris"), ("Question: what is the capital of France? Answer: ", "Paris"),
+             ("Answer:", " eight"), (long, " twelve"), (long + "The", " quick brown fox jumps")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+    got, want = ours.loglikelihood(requests), theirs.loglikelihood(requests)
+    assert [g for _, g in got] == [g for _, g in want]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in want], abs=ATOL)
+
+    texts = [long, "eight", long * 2 + "0 1 2 3 4 5 6 7 8 9 ten eleven twelve."]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=ATOL)
+
+    kwargs = [{"until": ["\n"], "max_gen_toks": 6, "do_sample": False}, {"until": "e", "max_gen_toks": 8},
+              {"max_new_tokens": 5, "temperature": 0.0}]
+    prompts = [Instance("generate_until", {}, ("Question: ten? Answer:", k), i) for i, k in enumerate(kwargs)]
+    prompts.append(Instance("generate_until", {}, (long, kwargs[0]), 3))  # left-truncated to 24 - 6 tokens
+    assert ours.generate_until(prompts) == theirs.generate_until(prompts)
+    with pytest.raises(ValueError, match="max_gen_toks"):
+        ours.generate_until([Instance("generate_until", {}, ("Hi", {"max_gen_toks": 24}), 0)])
+    ours.runner.check_integrity()
+
+
+def test_loads_from_a_path(model, tokenizer, tmp_path):
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device="cpu")
+    in_memory = HFRadixLM(pretrained=model, tokenizer=tokenizer)
+    requests = [Instance("loglikelihood", {}, ("Answer briefly and precisely:", " Paris."), 0)]
+    assert loaded.loglikelihood(requests)[0][0] == pytest.approx(in_memory.loglikelihood(requests)[0][0], abs=ATOL)
+    assert loaded.model.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        HFRadixLM(pretrained=str(tmp_path), dtype="float33")
+
+
+def test_chat_template(model, tokenizer):
+    chat = tiny_tokenizer()
+    chat.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    lm = HFRadixLM(pretrained=model, tokenizer=chat)
+    history = [{"role": "user", "content": "Hi"}]
+    assert lm.apply_chat_template(history) == "<user>Hi<assistant>"
+
+
+@pytest.mark.parametrize("max_length", [1, 2, 3, 7, 16])
+def test_rolling_windows_match_lm_eval(max_length: int):
+    for n in range(0, 40):
+        tokens = list(range(100, 100 + n))
+        want = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, max_length, 1)]
+        assert rolling_windows(tokens, 7, max_length) == [(list(a), list(b)) for a, b in want]
