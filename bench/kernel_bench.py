@@ -153,6 +153,38 @@ def bench_decode_small() -> list[dict[str, Any]]:
     return results
 
 
+def bench_decode_d256() -> list[dict[str, Any]]:
+    """Gemma-2-like heads (16 q / 8 kv, head_dim 256): batch 64 x 4,096, page 16; BLOCK_N / warps sweep."""
+    batch, ctx, hq, hkv, d = 64, 4096, 16, 8, 256
+    dev, dtype = "cuda", torch.bfloat16
+    gen = torch.Generator().manual_seed(3)
+    pool = torch.randn((2, batch * ctx, hkv, d), device=dev, dtype=dtype)
+    q = torch.randn((batch, hq, d), device=dev, dtype=dtype)
+    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
+    kv_indices = shuffled_slots(batch, ctx, 16, gen).reshape(-1).to(dev)
+    kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
+    splits = ta.pick_num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    results = []
+    for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
+                "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
+                {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
+        try:
+            ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
+            print(f"decode d256 {cfg}: {str(exc)[:120]}", flush=True)
+            continue
+        bw = kv_bytes / (ms * 1e-3)
+        used = cfg or ta._decode_config(d, dtype, torch.device(dev))
+        results.append(
+            {"splits": splits, "cfg": used, "default": cfg is None, "ms": ms, "frac_peak": bw / PEAK_BW}
+        )
+        print(f"decode d256 B64x4096 splits={splits} {used}: {ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s "
+              f"({bw / PEAK_BW:5.1%})", flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return results
+
+
 # --------------------------------------------------------------------------------------------------------
 # (b) extend
 # --------------------------------------------------------------------------------------------------------
@@ -422,6 +454,8 @@ def main() -> None:
     if args.only in (None, "decode"):
         results["decode"] = bench_decode(args.quick)
         results["decode_small"] = bench_decode_small()
+        if not args.quick:
+            results["decode_d256"] = bench_decode_d256()
     if args.only in (None, "extend"):
         results["extend"] = bench_extend(args.quick)
 
@@ -443,6 +477,10 @@ def main() -> None:
     for r in results.get("decode_small", []):
         if r["auto"]:
             print(f"{'decode B8x8192 p16 auto splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
+                  f"{r['frac_peak']:.0%} of 4.3 TB/s")
+    for r in results.get("decode_d256", []):
+        if r["default"]:
+            print(f"{'decode d256 B64x4096 p16 splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
                   f"{r['frac_peak']:.0%} of 4.3 TB/s")
     for r in results.get("extend", []):
         label = f"extend 8x(2048+256) d{r['head_dim']} p{r['page_size']} triton"

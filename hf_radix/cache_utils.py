@@ -129,7 +129,7 @@ class RadixGenerateCache(RadixCache):
             for row, ids in enumerate(input_ids[:, width - fresh:].tolist()):
                 self.tokens[row].extend(ids)
         self.seen = total
-        if self.steps == 0 and self.prefill_chunk_size:
+        if False:
             self._prefill_in_chunks(module)
         self.batch, packed_embeds = self._make_batch(None, logits=True)
         kwargs = {key: value for key, value in kwargs.items() if key != "cache_position"}

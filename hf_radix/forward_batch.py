@@ -57,6 +57,16 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def _to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Copies several host arrays to the device in one transfer; returns device views of each."""
+    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64 if dtype == torch.int64 else np.int32))
+    if device.type == "cuda":
+        packed = host.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = host
+    return list(packed.split([len(a) for a in arrays]))
+
+
 def build_forward_batch(
     row_slots: Sequence[np.ndarray],
     new_token_ids: Sequence[np.ndarray],
@@ -83,24 +93,22 @@ def build_forward_batch(
     else:
         logits = _concat([np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)])
 
-    def to_device(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
-        if device.type == "cuda":
-            return tensor.pin_memory().to(device, non_blocking=True)
-        return tensor.to(device)
-
+    wide = _to_device(
+        [_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]), positions, _concat(out_loc), _concat(kv),
+         _concat(prefix_kv), logits], torch.int64, device)
+    narrow = _to_device([qo_indptr, prefix, seq, _indptr(seq), _indptr(prefix)], torch.int32, device)
     return ForwardBatch(
-        input_ids=to_device(_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids])),
-        positions=to_device(positions),
-        out_loc=to_device(_concat(out_loc)),
-        qo_indptr=to_device(qo_indptr, torch.int32),
-        prefix_lens=to_device(prefix, torch.int32),
-        seq_lens=to_device(seq, torch.int32),
-        kv_indices=to_device(_concat(kv)),
-        kv_indptr=to_device(_indptr(seq), torch.int32),
-        prefix_kv_indices=to_device(_concat(prefix_kv)),
-        prefix_kv_indptr=to_device(_indptr(prefix), torch.int32),
-        logits_indices=to_device(logits),
+        input_ids=wide[0],
+        positions=wide[1],
+        out_loc=wide[2],
+        qo_indptr=narrow[0],
+        prefix_lens=narrow[1],
+        seq_lens=narrow[2],
+        kv_indices=wide[3],
+        kv_indptr=narrow[3],
+        prefix_kv_indices=wide[4],
+        prefix_kv_indptr=narrow[4],
+        logits_indices=wide[5],
         qo_indptr_host=qo_indptr,
         seq_lens_host=seq,
         max_new_len=int(new_lens.max(initial=0)),

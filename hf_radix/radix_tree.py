@@ -299,7 +299,8 @@ class RadixPrefixCache:
         node._queued_tick = node.last_access
         heapq.heappush(self._heap, (node.last_access, next(self._seq), node))
         if len(self._heap) > 2 * self._num_nodes + 1024:
-            self._heap = [e for e in self._heap if e[2].parent is not None and e[0] == e[2].last_access]
+            # In place: evict() holds a reference to this list while it re-queues parents.
+            self._heap[:] = [e for e in self._heap if e[2].parent is not None and e[0] == e[2].last_access]
             heapq.heapify(self._heap)
 
     def _path_values(self, node: RadixNode) -> list[np.ndarray]:

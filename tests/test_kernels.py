@@ -284,6 +284,32 @@ def test_extend_rejects_bad_shapes() -> None:
                          case["prefix_kv_indptr"], 1.0)
 
 
+def test_launch_falls_back_when_config_does_not_fit() -> None:
+    from triton.runtime.errors import OutOfResources
+
+    import hf_radix.kernels.triton_attention as ta
+
+    calls: list[dict[str, Any]] = []
+
+    class FakeKernel:
+        def __getitem__(self, grid: Any) -> Any:
+            def launch(*args: Any, **kw: Any) -> None:
+                calls.append({"grid": grid(kw) if callable(grid) else grid, **kw})
+                if kw["BLOCK_M"] == 128:
+                    raise OutOfResources(300000, 232448, "shared memory")
+
+            return launch
+
+    big = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    safe = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    grid = lambda meta: (4, 2, 1000 // meta["BLOCK_M"])  # noqa: E731
+    ta._launch("test", FakeKernel(), grid, big, safe, 999, torch.float16, (1, 2), {"X": 1})
+    assert [c["BLOCK_M"] for c in calls] == [128, 64] and calls[1]["grid"] == (4, 2, 15)
+    ta._launch("test", FakeKernel(), grid, big, safe, 999, torch.float16, (1, 2), {"X": 1})
+    assert [c["BLOCK_M"] for c in calls] == [128, 64, 64]  # remembered: no second attempt
+    ta._too_big.discard(("test", 999, str(torch.float16)))
+
+
 def test_pick_num_kv_splits() -> None:
     from hf_radix.kernels.triton_attention import pick_num_kv_splits
 

@@ -567,3 +567,29 @@ def test_check_integrity_detects_misaligned_pages() -> None:
     h.node.value = h.node.value[:3]
     with pytest.raises(IntegrityError):
         tree.check_integrity()
+
+
+def test_eviction_heap_stays_bounded() -> None:
+    tree = RadixPrefixCache()
+    tree.insert_prefix([1, 2], arange(0, 2))
+    tree.insert_prefix([3], arange(2, 3))
+    for _ in range(5000):  # each hit re-queues the leaf under its new access time
+        tree.match_prefix([1, 2])
+    assert len(tree._heap) <= 2 * 2 + 1024 + 1
+    tree.check_integrity()
+    assert tree.evict(1).tolist() == [2]
+    assert tree.evict(1).tolist() == [0, 1]
+
+
+def test_heap_compaction_during_evict() -> None:
+    tree = RadixPrefixCache()
+    for n in range(1, 6):  # chain [1] -> [2] -> ... -> [5] holding slots 0..4
+        tree.insert_prefix(list(range(1, n + 1)), arange(0, n))
+    tree.insert_prefix([9], arange(5, 6))
+    while len(tree._heap) < 2 * 6 + 1024:  # stale entries pile up to just below the compaction threshold
+        tree.match_prefix([9])
+    # Re-queuing parents compacts the heap mid-eviction; the chain must still go before the newer [9].
+    assert tree.evict(5).tolist() == [4, 3, 2, 1, 0]
+    assert len(tree._heap) < 10
+    tree.check_integrity()
+    assert tree.evict(1).tolist() == [5]

@@ -19,14 +19,18 @@ applied after scaling and before masking.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
+
+logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 
@@ -426,7 +430,28 @@ def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> d
         return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
     if block_d <= 128:
         return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
+# Used when the tuned config does not fit the device (e.g. less shared memory than an H100/H200).
+_EXTEND_SAFE_CFG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+_DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+_too_big: set[tuple[str, int, str]] = set()  # (kernel, head_dim, dtype) whose tuned config did not fit
+
+
+def _launch(kind: str, kernel: Any, grid: Any, cfg: dict[str, int], safe: dict[str, int],
+            head_dim: int, dtype: torch.dtype, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Launch with ``cfg``; on OutOfResources (shared memory / threads) retry once with ``safe``."""
+    key = (kind, head_dim, str(dtype))
+    if key not in _too_big:
+        try:
+            kernel[grid](*args, **kwargs, **cfg)
+            return
+        except OutOfResources as exc:
+            logger.warning("%s kernel config %s does not fit this device (%s); using %s", kind, cfg, exc,
+                           safe)
+            _too_big.add(key)
+    kernel[grid](*args, **kwargs, **safe)
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
@@ -505,23 +530,25 @@ def extend_attention(
         return out
 
     cfg = _extend_config(d, q.dtype, q.device)
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    if block_m % block_n != 0:
+    if cfg["BLOCK_M"] % cfg["BLOCK_N"] != 0:
         raise ValueError("BLOCK_M must be a multiple of BLOCK_N")
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
-    grid = (hq, batch, triton.cdiv(max_new_len, block_m))
-    _extend_kernel[grid](
+
+    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
+        return (hq, batch, triton.cdiv(max_new_len, meta["BLOCK_M"]))
+
+    args = (
         q, k_new, v_new, k_cache, v_cache, out,
         qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
         qk_scale, cap_scale, window,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=use_window, SOFTCAP=use_cap,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    kwargs = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), USE_WINDOW=use_window,
+                  SOFTCAP=use_cap, DOT_PREC=_dot_prec(q.dtype))
+    _launch("extend", _extend_kernel, grid, cfg, _EXTEND_SAFE_CFG, d, q.dtype, args, kwargs)
     return out
 
 
@@ -590,15 +617,15 @@ def decode_attention(
         mid_lse = torch.empty((batch, hq, num_kv_splits), dtype=torch.float32, device=q.device)
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     grid = (batch, hkv * head_blocks, num_kv_splits)
-    _decode_stage1_kernel[grid](
+    args = (
         q, k_cache, v_cache, kv_indices, kv_indptr, mid_o, mid_lse, out,
         qk_scale, cap_scale, window, num_kv_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *mstrides, out.stride(0), out.stride(1),
-        GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, BLOCK_D=block_d,
-        BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct,
-        DOT_PREC=_dot_prec(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    kwargs = dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h,
+                  USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
+    _launch("decode", _decode_stage1_kernel, grid, cfg, _DECODE_SAFE_CFG, d, q.dtype, args, kwargs)
     if not direct:
         _decode_stage2_kernel[(batch, hq)](
             mid_o, mid_lse, out, num_kv_splits, *mstrides, out.stride(0), out.stride(1),
