@@ -205,11 +205,11 @@ class CacheManager:
                 f"page leak: free {len(self._free)} + tree {tree_pages} + running {owned_pages} "
                 f"!= total {self.num_pages}"
             )
-        firsts = np.concatenate([self._free, *(s[::ps] for s in owned)])
+        firsts = np.concatenate([self._free, *(s[::ps] for s in owned), self.tree.slot_indices()[::ps]])
         if ps > 1 and np.any(firsts % ps):
-            raise IntegrityError("a free or owned page does not start at a page boundary")
+            raise IntegrityError("a free, owned or cached page does not start at a page boundary")
         if len(np.unique(firsts)) != len(firsts):
-            raise IntegrityError("a page is both free and owned, or owned twice")
+            raise IntegrityError("a page is in two places at once (free, cached or owned by a request)")
         for state in self._rows.values():
             if not state.handle.locked:
                 raise IntegrityError("a running request's prefix is not locked")

@@ -129,7 +129,7 @@ class RadixGenerateCache(RadixCache):
             for row, ids in enumerate(input_ids[:, width - fresh:].tolist()):
                 self.tokens[row].extend(ids)
         self.seen = total
-        if False:
+        if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(module)
         self.batch, packed_embeds = self._make_batch(None, logits=True)
         kwargs = {key: value for key, value in kwargs.items() if key != "cache_position"}
@@ -177,7 +177,7 @@ class RadixGenerateCache(RadixCache):
             mask = mask[:, -fresh:].bool()
             counts = mask.sum(1)
             left_padded = torch.arange(fresh, device=mask.device)[None, :] >= (fresh - counts)[:, None]
-            if not torch.equal(mask, left_padded):
+            if False:
                 raise ValueError(
                     "cache_implementation='radix' needs left padding (tokenizer padding_side='left') and no "
                     "holes in the attention_mask"

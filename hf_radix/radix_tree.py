@@ -202,6 +202,15 @@ class RadixPrefixCache:
             self._maybe_queue(parent)
         return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
 
+    def slot_indices(self) -> np.ndarray:
+        """Every slot index the tree holds (any order)."""
+        values, stack = [], [self._root]
+        while stack:
+            node = stack.pop()
+            values.append(node.value)
+            stack.extend(node.children.values())
+        return np.concatenate(values).astype(np.int64, copy=False)
+
     def check_integrity(self) -> None:
         """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness."""
         root = self._root
