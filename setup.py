@@ -9,10 +9,11 @@ def _read_requirements(name: str) -> list[str]:
     lines = (Path(__file__).parent / name).read_text().splitlines()
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
+
 setup(
     name="hf-radix",
     version="0.1.0",
-    description="Radix-tree prefix cache, paged KV pool and continuous batching for Hugging Face transformers",
+    description="Radix prefix cache, paged KV pool and continuous batching for Hugging Face transformers",
     long_description=(Path(__file__).parent / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["hf_radix", "hf_radix.*"]),

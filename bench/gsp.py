@@ -24,8 +24,14 @@ from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
 from hf_radix.tiny import tiny_model  # noqa: E402
 
 LLAMA_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
 )
 
 
@@ -38,8 +44,9 @@ def build_model(tiny: bool, device: str) -> torch.nn.Module:
     return model.eval()
 
 
-def make_prompts(groups: int, per_group: int, system_len: int, question_len: int, vocab: int, shared: bool,
-                 seed: int = 0) -> list[list[int]]:
+def make_prompts(
+    groups: int, per_group: int, system_len: int, question_len: int, vocab: int, shared: bool, seed: int = 0
+) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     prompts = []
     for _ in range(groups):
@@ -55,7 +62,9 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf(model, prompts: list[list[int]], new_tokens: int, batch_size: int, device: str) -> tuple[float, list]:
+def run_hf(
+    model, prompts: list[list[int]], new_tokens: int, batch_size: int, device: str
+) -> tuple[float, list]:
     """Plain generate, static batches (prompts are equal-length so no padding), sdpa attention."""
     model.config._attn_implementation = "sdpa"
     outs = []
@@ -63,10 +72,16 @@ def run_hf(model, prompts: list[list[int]], new_tokens: int, batch_size: int, de
     start = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
-            ids = torch.tensor(prompts[i:i + batch_size], device=device)
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            outs.extend(out[:, ids.shape[1]:].tolist())
+            ids = torch.tensor(prompts[i : i + batch_size], device=device)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outs.extend(out[:, ids.shape[1] :].tolist())
     sync(device)
     return time.perf_counter() - start, outs
 
@@ -105,16 +120,32 @@ def main() -> None:
     if args.tiny:
         groups, per_group, system_len, question_len, new_tokens, hf_batch = 2, 4, 48, 8, 4, 4
     else:
-        groups, per_group, system_len, question_len, new_tokens, hf_batch = 8, 32, 2048, 256, 64, args.hf_batch
+        groups, per_group, system_len, question_len, new_tokens, hf_batch = (
+            8,
+            32,
+            2048,
+            256,
+            64,
+            args.hf_batch,
+        )
     model = build_model(args.tiny, device)
     vocab = model.config.vocab_size
-    runner = RadixBatchRunner(model, max_total_tokens=None if device == "cuda" else 4096, mem_fraction=0.7,
-                              chunked_prefill_size=8192)
+    runner = RadixBatchRunner(
+        model,
+        max_total_tokens=None if device == "cuda" else 4096,
+        mem_fraction=0.7,
+        chunked_prefill_size=8192,
+    )
     results: dict = {
-        "workload": f"gsp-{groups}x{per_group}", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "system_len": system_len, "question_len": question_len, "new_tokens": new_tokens,
-        "attn_backend": runner.engine.backend.name, "pool_tokens": runner.engine.pool.num_slots,
-        "transformers": transformers.__version__, "torch": torch.__version__,
+        "workload": f"gsp-{groups}x{per_group}",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "system_len": system_len,
+        "question_len": question_len,
+        "new_tokens": new_tokens,
+        "attn_backend": runner.engine.backend.name,
+        "pool_tokens": runner.engine.pool.num_slots,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
     }
     shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
     # warm-up: kernels compiled, allocator settled
@@ -129,10 +160,14 @@ def main() -> None:
     )
     unique_tokens = groups * system_len + len(shared) * question_len
     results["shared"] = {
-        "radix_s": radix_s, "hf_generate_s": hf_s, "speedup": hf_s / radix_s,
+        "radix_s": radix_s,
+        "hf_generate_s": hf_s,
+        "speedup": hf_s / radix_s,
         "hit_rate": sum(o.cached_tokens for o in radix_outs) / sum(len(p) for p in shared),
-        "radix_output_tok_s": len(shared) * new_tokens / radix_s, "hf_output_tok_s": len(shared) * new_tokens / hf_s,
-        "prompt_tokens": sum(len(p) for p in shared), "unique_prompt_tokens": unique_tokens,
+        "radix_output_tok_s": len(shared) * new_tokens / radix_s,
+        "hf_output_tok_s": len(shared) * new_tokens / hf_s,
+        "prompt_tokens": sum(len(p) for p in shared),
+        "unique_prompt_tokens": unique_tokens,
         "greedy_token_agreement": agree,
         "roofline_floor_s": unique_tokens * 2 * 8.0e9 / 790e12 + new_tokens * 16e9 / 4.3e12,
         "runner_stats": repr(stats),

@@ -27,7 +27,7 @@ __version__ = "0.1.0"
 
 
 def cache_stats(model) -> dict:
-    """Prefix-reuse statistics of the model's engine: prompt, cached and computed tokens, hit rate, evictions."""
+    """Prefix-reuse statistics of the model's engine: prompt/cached/computed tokens, hit rate, evictions."""
     return get_engine(model).stats_dict()
 
 

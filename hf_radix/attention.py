@@ -48,7 +48,7 @@ class TorchBackend:
         group = q.shape[1] // k_cache.shape[1]
         for row in range(batch.batch_size):
             q_start, q_end, kv_len = int(qo[row]), int(qo[row + 1]), int(seq[row])
-            slots = batch.kv_indices[kv_start:kv_start + kv_len]
+            slots = batch.kv_indices[kv_start : kv_start + kv_len]
             kv_start += kv_len
             if q_end == q_start:
                 continue
@@ -81,13 +81,30 @@ class TritonBackend:
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap):
         if batch.is_decode:
             return self._kernels.decode_attention(
-                q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, scaling,
-                sliding_window=sliding_window, softcap=softcap, max_kv_len=batch.max_kv_len,
+                q,
+                k_cache,
+                v_cache,
+                batch.kv_indices,
+                batch.kv_indptr,
+                scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                max_kv_len=batch.max_kv_len,
             )
         return self._kernels.extend_attention(
-            q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.prefix_lens,
-            batch.prefix_kv_indices, batch.prefix_kv_indptr, scaling,
-            sliding_window=sliding_window, softcap=softcap, max_new_len=batch.max_new_len,
+            q,
+            k_new,
+            v_new,
+            k_cache,
+            v_cache,
+            batch.qo_indptr,
+            batch.prefix_lens,
+            batch.prefix_kv_indices,
+            batch.prefix_kv_indptr,
+            scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            max_new_len=batch.max_new_len,
         )
 
 
@@ -129,7 +146,9 @@ def radix_attention_forward(
         )
     pool = cache.engine.pool
     if query.shape[0] != 1:
-        raise ValueError(f"radix attention expects a packed batch of shape (1, T), got batch size {query.shape[0]}")
+        raise ValueError(
+            f"radix attention expects a packed batch of shape (1, T), got batch size {query.shape[0]}"
+        )
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
@@ -137,7 +156,15 @@ def radix_attention_forward(
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     out = cache.engine.backend.forward(
-        q, k, v, pool.k_cache(layer), pool.v_cache(layer), cache.batch, scaling, sliding_window, softcap or None
+        q,
+        k,
+        v,
+        pool.k_cache(layer),
+        pool.v_cache(layer),
+        cache.batch,
+        scaling,
+        sliding_window,
+        softcap or None,
     )
     return out.unsqueeze(0), None
 

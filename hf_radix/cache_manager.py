@@ -107,11 +107,13 @@ class CacheManager:
             if need == 0:
                 continue
             state = self._rows[row]
-            new = (pages[start:start + need, None] + offsets).reshape(-1)
+            new = (pages[start : start + need, None] + offsets).reshape(-1)
             state.slots = np.concatenate([state.slots, new])
             start += need
 
-    def cache_req(self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool) -> int:
+    def cache_req(
+        self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool
+    ) -> int:
         """Inserts the row's first `num_computed` tokens into the tree and moves the lock to the new node.
 
         Frees the pages the tree already held (duplicates computed concurrently) exactly once; when
@@ -129,7 +131,7 @@ class CacheManager:
         keys = np.asarray(token_ids[:aligned])
         present, new = self.tree.insert_prefix(keys, state.slots[:aligned])
         self.tree.unlock(old)
-        self._release(state.slots[old.cached_len:present])
+        self._release(state.slots[old.cached_len : present])
         if finished:
             self._release(state.slots[aligned:])
             del self._rows[row]
@@ -198,7 +200,7 @@ class CacheManager:
             raise IntegrityError("check_integrity called inside a lazy_free_region")
         ps = self.page_size
         tree_pages = self.tree.size_info.total_size // ps
-        owned = [state.slots[state.handle.cached_len:] for state in self._rows.values()]
+        owned = [state.slots[state.handle.cached_len :] for state in self._rows.values()]
         owned_pages = sum(-(-len(s) // ps) for s in owned)
         if len(self._free) + tree_pages + owned_pages != self.num_pages:
             raise IntegrityError(

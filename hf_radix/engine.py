@@ -83,7 +83,9 @@ class RadixEngine:
             shape, dtype, device, page_size, self.options.max_total_tokens, self.options.mem_fraction
         )
         num_pages = tokens // page_size
-        self.pool = KVPool(shape, num_pages, page_size, dtype, device, self.options.store_backend)
+        # One extra page past the managed ones: padded rows of captured decode graphs write there.
+        self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
+        self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size)
         self.backend = make_backend(self.options.attn_backend, device)
         self.stats = CacheStats()
@@ -101,7 +103,7 @@ class RadixEngine:
     def page_size(self) -> int:
         return self.pool.page_size
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         from .cache_utils import RadixCache
 
@@ -115,9 +117,17 @@ class RadixEngine:
                 radix_cache=cache,
                 **{self.cache_kwarg: cache},
             )
-        self.stats.computed_tokens += batch.num_tokens
-        self.stats.forward_calls += 1
         return out.logits[0]
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """`run_model`, counted in the engine's statistics."""
+        logits = self.run_model(batch)
+        self.record_forward(batch.num_tokens)
+        return logits
+
+    def record_forward(self, num_tokens: int) -> None:
+        self.stats.computed_tokens += num_tokens
+        self.stats.forward_calls += 1
 
     def record_prompt(self, prompt_len: int, cached_len: int) -> None:
         self.stats.prompt_tokens += prompt_len
@@ -129,7 +139,7 @@ class RadixEngine:
             **self.stats.as_dict(),
             "evicted_tokens": self.manager.evicted_tokens,
             "tree_tokens": size.total_size,
-            "pool_tokens": self.pool.num_slots,
+            "pool_tokens": self.manager.num_pages * self.page_size,
         }
 
     def check_integrity(self) -> None:

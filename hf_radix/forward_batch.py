@@ -1,4 +1,4 @@
-"""Metadata of one packed forward: which tokens are new, where their K/V go, and which slots each row reads."""
+"""Metadata of one packed forward: which tokens are new, where their K/V go, which slots each row reads."""
 
 from __future__ import annotations
 
@@ -60,10 +60,7 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
 def _to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
     """Copies several host arrays to the device in one transfer; returns device views of each."""
     host = torch.from_numpy(np.concatenate(arrays).astype(np.int64 if dtype == torch.int64 else np.int32))
-    if device.type == "cuda":
-        packed = host.pin_memory().to(device, non_blocking=True)
-    else:
-        packed = host
+    packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     return list(packed.split([len(a) for a in arrays]))
 
 
@@ -91,11 +88,22 @@ def build_forward_batch(
     if logits_offsets is None:
         logits = qo_indptr[1:] - 1
     else:
-        logits = _concat([np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)])
+        logits = _concat(
+            [np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)]
+        )
 
     wide = _to_device(
-        [_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]), positions, _concat(out_loc), _concat(kv),
-         _concat(prefix_kv), logits], torch.int64, device)
+        [
+            _concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]),
+            positions,
+            _concat(out_loc),
+            _concat(kv),
+            _concat(prefix_kv),
+            logits,
+        ],
+        torch.int64,
+        device,
+    )
     narrow = _to_device([qo_indptr, prefix, seq, _indptr(seq), _indptr(prefix)], torch.int32, device)
     return ForwardBatch(
         input_ids=wide[0],

@@ -45,7 +45,7 @@ def pool_size_tokens(
     max_total_tokens: int | None,
     mem_fraction: float,
 ) -> int:
-    """Token capacity of the pool: `max_total_tokens`, else `mem_fraction` of free GPU memory, else a CPU default."""
+    """Pool capacity in tokens: `max_total_tokens`, else `mem_fraction` of free GPU memory, else a CPU default."""
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"max_total_tokens={max_total_tokens} is smaller than one page ({page_size})")
@@ -82,11 +82,17 @@ class KVPool:
             device=device,
         )
         slots = num_pages * page_size
-        self._k = [self.buffer[0, layer].view(slots, shape.num_kv_heads, shape.head_dim) for layer in
-                   range(shape.num_layers)]
-        self._v = [self.buffer[1, layer].view(slots, shape.num_kv_heads, shape.head_dim) for layer in
-                   range(shape.num_layers)]
-        logger.info("KV pool: %d tokens, %.2f GiB", slots, self.buffer.numel() * self.buffer.element_size() / 2**30)
+        self._k = [
+            self.buffer[0, layer].view(slots, shape.num_kv_heads, shape.head_dim)
+            for layer in range(shape.num_layers)
+        ]
+        self._v = [
+            self.buffer[1, layer].view(slots, shape.num_kv_heads, shape.head_dim)
+            for layer in range(shape.num_layers)
+        ]
+        logger.info(
+            "KV pool: %d tokens, %.2f GiB", slots, self.buffer.numel() * self.buffer.element_size() / 2**30
+        )
 
     @property
     def num_slots(self) -> int:
@@ -118,4 +124,6 @@ class KVPool:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
         """Writes `k`, `v` (`[T, kv_heads, head_dim]`) of one layer to the slots `out_loc`."""
-        store_kv(self._k[layer], self._v[layer], out_loc, k.to(self.dtype), v.to(self.dtype), self.store_backend)
+        store_kv(
+            self._k[layer], self._v[layer], out_loc, k.to(self.dtype), v.to(self.dtype), self.store_backend
+        )

@@ -50,7 +50,7 @@ class Req:
 
     @property
     def generated(self) -> list[int]:
-        return self.token_ids[self.prompt_len:]
+        return self.token_ids[self.prompt_len :]
 
     @property
     def prefilled(self) -> bool:

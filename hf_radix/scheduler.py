@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from .cuda_graph import DecodeGraphs
 from .engine import RadixEngine, get_engine
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
@@ -64,6 +65,7 @@ class Scheduler:
         max_running_requests: int = 256,
         chunked_prefill_size: int = 8192,
         schedule_policy: str = "lpm",
+        cuda_graph: bool = True,
     ):
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -77,6 +79,9 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
         self.seeded = SeededRows(engine.device)
+        self.decode_graphs = None
+        if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
+            self.decode_graphs = DecodeGraphs(engine, max_running_requests, engine.scratch_slot)
         self.pending: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -119,15 +124,21 @@ class Scheduler:
         if not ids:
             return self._fail(req, "empty prompt")
         if min(ids) < 0 or max(ids) >= engine.vocab_size:
-            return self._fail(req, f"token ids must lie in [0, {engine.vocab_size}), got {min(ids)}..{max(ids)}")
+            return self._fail(
+                req, f"token ids must lie in [0, {engine.vocab_size}), got {min(ids)}..{max(ids)}"
+            )
         if req.final_len > engine.max_context:
             return self._fail(
-                req, f"prompt ({req.prompt_len}) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
-                f"model's context of {engine.max_context} tokens")
+                req,
+                f"prompt ({req.prompt_len}) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
+                f"model's context of {engine.max_context} tokens",
+            )
         if self.manager.pages_for(0, req.final_len) > self.manager.num_pages:
             return self._fail(
-                req, f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}")
+                req,
+                f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
+                f"{engine.pool.num_slots}",
+            )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
             return False
@@ -158,7 +169,9 @@ class Scheduler:
             handle = self.manager.match(req.match_ids)
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
             if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
-                deferred.append(self.pending.popleft())  # a batch-mate computes this prefix; reuse it next round
+                deferred.append(
+                    self.pending.popleft()
+                )  # a batch-mate computes this prefix; reuse it next round
                 continue
             need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > self.manager.available_size:
@@ -210,7 +223,7 @@ class Scheduler:
             offset += len(offsets)
             req.num_computed = end
             if req.score_from is not None:
-                scored.append((req, rows, np.asarray(req.token_ids[start + 1:end + 1])[offsets]))
+                scored.append((req, rows, np.asarray(req.token_ids[start + 1 : end + 1])[offsets]))
             elif req.prefilled:
                 sampled.append((req, rows.start))
         self._accumulate_scores(logits, scored)
@@ -230,7 +243,17 @@ class Scheduler:
 
     def _forward_decode(self) -> None:
         reqs = list(self.running)
-        logits = self._forward([(r, r.num_computed, r.num_computed + 1) for r in reqs])
+        if self.decode_graphs is None:
+            logits = self._forward([(r, r.num_computed, r.num_computed + 1) for r in reqs])
+        else:
+            rows = [r.row for r in reqs]
+            self.manager.allocate(rows, [r.num_computed + 1 for r in reqs])
+            logits = self.decode_graphs.run(
+                [self.manager.row_slots(row) for row in rows],
+                [r.token_ids[r.num_computed] for r in reqs],
+                [r.num_computed for r in reqs],
+            )
+            self.engine.record_forward(len(reqs))
         for req in reqs:
             req.num_computed += 1
         with self.manager.lazy_free_region():
@@ -248,8 +271,8 @@ class Scheduler:
         offset = 0
         for req, rows, _ in scored:
             n = rows.stop - rows.start
-            req.logprob += float(logp_host[offset:offset + n].sum())
-            req.greedy_match &= bool(greedy_host[offset:offset + n].all())
+            req.logprob += float(logp_host[offset : offset + n].sum())
+            req.greedy_match &= bool(greedy_host[offset : offset + n].all())
             offset += n
 
     def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
@@ -321,16 +344,23 @@ class RadixBatchRunner:
         cuda_graph: bool = True,
     ):
         self.engine = get_engine(
-            model, page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
+            model,
+            page_size=page_size,
+            max_total_tokens=max_total_tokens,
+            mem_fraction=mem_fraction,
             attn_backend=attn_backend,
         )
         self.model = model
         self.tokenizer = tokenizer
-        self.cuda_graph = cuda_graph
         self.stats = RunnerStats()
         self._scheduler = Scheduler(
-            self.engine, _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            self.engine,
+            _eos_ids(model, tokenizer),
+            tokenizer,
+            max_running_requests,
+            chunked_prefill_size,
             schedule_policy,
+            cuda_graph,
         )
 
     # -- inputs --------------------------------------------------------------------------------------
@@ -393,12 +423,16 @@ class RadixBatchRunner:
                 if cut >= 0:
                     text = text[:cut]
         return RequestOutput(
-            prompt_token_ids=req.token_ids[:req.prompt_len], token_ids=list(tokens), text=text,
-            cached_tokens=req.cached_tokens, finish_reason=req.finish_reason, error=req.error,
+            prompt_token_ids=req.token_ids[: req.prompt_len],
+            token_ids=list(tokens),
+            text=text,
+            cached_tokens=req.cached_tokens,
+            finish_reason=req.finish_reason,
+            error=req.error,
         )
 
     def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
-        """For each (context, continuation): (sum of continuation log-probs, whether greedy decoding yields it).
+        """For each (context, continuation): (sum of continuation log-probs, whether greedy decoding gives it).
 
         Contexts shared between pairs are computed once; logits are computed only at continuation positions.
         """

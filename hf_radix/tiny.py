@@ -34,7 +34,7 @@ def tiny_tokenizer(vocab_size: int = 384) -> transformers.PreTrainedTokenizerFas
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 384, **overrides) -> transformers.PretrainedConfig:
-    """A 2-layer config of a real architecture (GQA, sliding windows and soft-caps where the family has them)."""
+    """A 2-layer config of a real architecture (GQA; sliding windows and soft-caps where the family has)."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -52,7 +52,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, **overrides) -> tran
         config = transformers.LlamaConfig(**common, head_dim=16)
     elif arch == "qwen2":
         config = transformers.Qwen2Config(
-            **common, use_sliding_window=True, sliding_window=12, max_window_layers=1,
+            **common,
+            use_sliding_window=True,
+            sliding_window=12,
+            max_window_layers=1,
             layer_types=["full_attention", "sliding_attention"],
         )
     elif arch == "qwen3":
@@ -61,7 +64,11 @@ def tiny_config(arch: str = "llama", vocab_size: int = 384, **overrides) -> tran
         config = transformers.MistralConfig(**common, head_dim=16, sliding_window=12)
     elif arch == "gemma2":
         config = transformers.Gemma2Config(
-            **common, head_dim=16, sliding_window=12, attn_logit_softcapping=20.0, final_logit_softcapping=15.0,
+            **common,
+            head_dim=16,
+            sliding_window=12,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=15.0,
             query_pre_attn_scalar=16,
         )
     else:

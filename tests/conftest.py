@@ -34,10 +34,14 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], max_new_tokens: int, eos_t
     """Plain `generate` (default cache) on one prompt alone; returns the new tokens."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos_token_id,
+            pad_token_id=0,
         )
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def random_ids(generator: torch.Generator, length: int, vocab: int = 384) -> list[int]:

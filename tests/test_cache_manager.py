@@ -123,7 +123,8 @@ def test_bad_calls_raise_and_change_nothing():
     page_size=st.sampled_from([1, 2, 4]),
     ops=st.lists(
         st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=12), st.integers(0, 3), st.booleans()),
-        min_size=1, max_size=25,
+        min_size=1,
+        max_size=25,
     ),
 )
 def test_random_lifecycles_never_hand_out_a_page_twice(page_size: int, ops):
@@ -146,7 +147,7 @@ def test_random_lifecycles_never_hand_out_a_page_twice(page_size: int, ops):
             row, toks, computed = running.pop(0)
             manager.release_row(row, toks, computed)
         manager.check_integrity()
-        owned = [manager.row_slots(r)[manager.row_cached_len(r):] for r, _, _ in running]
+        owned = [manager.row_slots(r)[manager.row_cached_len(r) :] for r, _, _ in running]
         owned = np.concatenate(owned or [np.zeros(0, np.int64)])
         assert len(np.unique(owned)) == len(owned)
     for row, toks, computed in running:

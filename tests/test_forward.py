@@ -27,7 +27,7 @@ def _forward_rows(engine: RadixEngine, rows: list[tuple[int, list[int], int]]) -
     logits = engine.forward(batch)
     out, offset = [], 0
     for _, ids, start in rows:
-        out.append(logits[offset:offset + len(ids) - start].float())
+        out.append(logits[offset : offset + len(ids) - start].float())
         offset += len(ids) - start
     return out
 
@@ -42,7 +42,9 @@ def _open(engine: RadixEngine, ids: list[int]) -> tuple[int, int]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_packed_forward_matches_hf(arch: str, page_size: int):
     model = fresh_model(arch)
-    engine = RadixEngine(model, EngineOptions(page_size=page_size, max_total_tokens=1024, attn_backend="torch"))
+    engine = RadixEngine(
+        model, EngineOptions(page_size=page_size, max_total_tokens=1024, attn_backend="torch")
+    )
     gen = torch.Generator().manual_seed(1)
     shared = random_ids(gen, 37)
     a = shared + random_ids(gen, 9)

@@ -13,12 +13,12 @@ from hf_radix import RadixBatchRunner, SamplingParams
 NEW = 6
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(arch: str):
     return fresh_model(arch)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(arch: str, prompt: tuple[int, ...], new: int = NEW) -> list[int]:
     return hf_greedy(_model(arch), list(prompt), new)
 
@@ -46,7 +46,9 @@ def _assert_matches_hf(arch: str, prompts: list[list[int]], outs, new: int = NEW
     for prompt, out in zip(prompts, outs):
         assert out.error is None
         assert out.prompt_token_ids == prompt
-        assert out.token_ids == _reference(arch, tuple(prompt), new), f"prompt of {len(prompt)} tokens differs"
+        assert out.token_ids == _reference(arch, tuple(prompt), new), (
+            f"prompt of {len(prompt)} tokens differs"
+        )
 
 
 @pytest.mark.parametrize(
@@ -130,7 +132,7 @@ def test_stop_token_ids_and_stop_strings(tokenizer):
     assert by_id.finish_reason == "stop"
 
     text = greedy.text
-    stop = text[len(text) // 2: len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     by_text = runner.run([prompt], SamplingParams(max_new_tokens=12, stop=[stop], ignore_eos=True))[0]
     assert by_text.finish_reason == "stop"
     assert by_text.text == text[: text.index(stop)]
