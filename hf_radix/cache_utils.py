@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
+from .attention import ATTENTION_NAME
 from .forward_batch import ForwardBatch, build_forward_batch
 
 if TYPE_CHECKING:
@@ -94,6 +95,8 @@ class RadixGenerateCache(RadixCache):
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
         self._inner = False  # inside one of our own prefill-chunk forwards
+        self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
+        self._foreign = 0  # depth of model calls made inside generate by others (e.g. a guidance processor)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -103,6 +106,13 @@ class RadixGenerateCache(RadixCache):
         """Replaces generate's padded step with a packed batch of the tokens not in the pool yet."""
         if self._inner or "radix_cache" in kwargs:
             return None  # our own prefill chunk, or another hf_radix forward (a runner) run inside generate
+        if kwargs.get(self.engine.cache_kwarg) is not self:
+            # A call that is not generate's step (e.g. classifier-free guidance's unconditional pass, with its
+            # own cache): it runs untouched, with the model's own attention.
+            self._foreign += 1
+            if self.model_attention is not None:
+                module.config._attn_implementation = self.model_attention
+            return None
         if self.finished:
             raise RuntimeError("this generate(cache_implementation='radix') call has already finished")
         if args:
@@ -139,7 +149,12 @@ class RadixGenerateCache(RadixCache):
 
     def post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output):
         """Turns the packed logits into generate's `(B, 1, vocab)`; shares duplicated prompts after step 0."""
-        if self._inner or kwargs.get("radix_cache") is not self:
+        if self._inner or kwargs.get("radix_cache", self) is not self:
+            return None
+        if kwargs.get(self.engine.cache_kwarg) is not self:
+            self._foreign -= 1
+            if self._foreign == 0 and self.model_attention is not None:
+                module.config._attn_implementation = ATTENTION_NAME
             return None
         batch = self.batch
         logits = output.logits[0]
@@ -177,7 +192,7 @@ class RadixGenerateCache(RadixCache):
             mask = mask[:, -fresh:].bool()
             counts = mask.sum(1)
             left_padded = torch.arange(fresh, device=mask.device)[None, :] >= (fresh - counts)[:, None]
-            if False:
+            if not torch.equal(mask, left_padded):
                 raise ValueError(
                     "cache_implementation='radix' needs left padding (tokenizer padding_side='left') and no "
                     "holes in the attention_mask"
@@ -357,7 +372,8 @@ def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | N
     if "cache_implementation" in kwargs:
         return kwargs["cache_implementation"]
     config = args[1] if len(args) > 1 else kwargs.get("generation_config")
-    return getattr(config or model.generation_config, "cache_implementation", None)
+    value = getattr(config, "cache_implementation", None)  # a config object's None defers to the model's
+    return value if value is not None else getattr(model.generation_config, "cache_implementation", None)
 
 
 def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
@@ -464,6 +480,7 @@ def _radix_generate(original, model, kwargs: dict):
         if cache.prefill_chunk_size is not None:
             call["prefill_chunk_size"] = None
     call[engine.cache_kwarg] = cache
+    cache.model_attention = model.config._attn_implementation
     with _active_lock:
         if id(engine) in _active_engines:
             raise RuntimeError(

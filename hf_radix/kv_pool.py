@@ -45,7 +45,7 @@ def pool_size_tokens(
     max_total_tokens: int | None,
     mem_fraction: float,
 ) -> int:
-    """Pool capacity in tokens: `max_total_tokens`, else `mem_fraction` of free GPU memory, else a CPU default."""
+    """Pool capacity in tokens: `max_total_tokens`, else `mem_fraction` of free GPU memory, else a default."""
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"max_total_tokens={max_total_tokens} is smaller than one page ({page_size})")

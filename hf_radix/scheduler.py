@@ -432,7 +432,7 @@ class RadixBatchRunner:
         )
 
     def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
-        """For each (context, continuation): (sum of continuation log-probs, whether greedy decoding gives it).
+        """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
 
         Contexts shared between pairs are computed once; logits are computed only at continuation positions.
         """

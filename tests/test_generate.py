@@ -29,7 +29,7 @@ PAD = 0
 # ----------------------------------------------------------------------------- helpers
 
 
-def _model(arch: str = "llama", page_size: int = 1, max_total_tokens: int = 2048, **overrides) -> torch.nn.Module:
+def _model(arch: str = "llama", page_size: int = 1, max_total_tokens: int = 2048, **overrides):
     """A fresh tiny model whose engine is configured (torch attention backend) before first use."""
     model = tiny_model(arch, **overrides) if overrides else fresh_model(arch)
     hf_radix.configure(model, max_total_tokens=max_total_tokens, page_size=page_size, attn_backend="torch")
@@ -76,7 +76,7 @@ def _clean(model) -> hf_radix.RadixEngine:
 
 
 def _tree_tokens(sequences: list[list[int]], page_size: int) -> int:
-    """Tokens a radix tree of whole pages holds after inserting `sequences` (each truncated to whole pages)."""
+    """Tokens a radix tree of whole pages holds once `sequences` are inserted (each cut to whole pages)."""
     pages = set()
     for seq in sequences:
         for end in range(page_size, len(seq) + 1, page_size):
@@ -107,11 +107,14 @@ def test_registration_is_idempotent_and_minimal():
     from transformers.generation import configuration_utils as gen_config
     from transformers.generation.utils import GenerationMixin
 
-    before = (gen_config.ALL_CACHE_IMPLEMENTATIONS, gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS, GenerationMixin.generate)
+    def state() -> tuple:
+        implementations = gen_config.ALL_CACHE_IMPLEMENTATIONS, gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS
+        return implementations, GenerationMixin.generate
+
+    before = state()
     hf_radix.register_generate_support()
     hf_radix.register_generate_support()
-    after = (gen_config.ALL_CACHE_IMPLEMENTATIONS, gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS, GenerationMixin.generate)
-    assert after == before
+    assert state() == before
     assert gen_config.ALL_CACHE_IMPLEMENTATIONS.count("radix") == 1
     assert "radix" not in gen_config.DYNAMIC_CACHE_IMPLEMENTATIONS
     GenerationConfig(cache_implementation="radix").validate()  # a valid value now
@@ -143,7 +146,8 @@ def test_three_ways_to_ask_for_radix(gen):
     prompts = [random_ids(gen, 9), random_ids(gen, 5)]
     ids, mask = _left_pad(prompts)
     ref = _generate(model, prompts, False, max_new_tokens=4)
-    config = GenerationConfig(cache_implementation="radix", max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    config = GenerationConfig(cache_implementation="radix", max_new_tokens=4, do_sample=False,
+                              pad_token_id=PAD)
     calls = [
         lambda: model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=PAD,
                                cache_implementation="radix"),
@@ -156,13 +160,16 @@ def test_three_ways_to_ask_for_radix(gen):
         assert engine.stats.computed_tokens > computed  # the radix path ran
     assert config.cache_implementation == "radix"  # the user's object is not modified
     model.generation_config.cache_implementation = "radix"
-    computed = engine.stats.computed_tokens
-    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False), ref)
-    assert engine.stats.computed_tokens > computed
+    plain = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD)  # None: the model's value
+    for call in (lambda: model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False),
+                 lambda: model.generate(ids, generation_config=plain, attention_mask=mask)):
+        computed = engine.stats.computed_tokens
+        assert torch.equal(call(), ref)
+        assert engine.stats.computed_tokens > computed
     _clean(model)
 
 
-# ----------------------------------------------------------------------------- equality with the default cache
+# ----------------------------------------------------------------------------- equal to the default cache
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -242,9 +249,14 @@ def test_num_return_sequences_computes_the_prompt_once(page_size: int, gen):
     model = _model("llama", page_size)
     engine = hf_radix.get_engine(model)
     prompts = [random_ids(gen, 22), random_ids(gen, 9)]
-    out = _both(model, prompts, seed=3, max_new_tokens=5, do_sample=True, num_return_sequences=3, top_k=0)
-    assert out.shape[0] == 6
-    steps = out.shape[1] - 22
+    kwargs = dict(max_new_tokens=5, do_sample=True, num_return_sequences=3, top_k=0,
+                  return_dict_in_generate=True, output_logits=True)
+    ref = _generate(model, prompts, False, seed=3, **kwargs)
+    out = _both(model, prompts, seed=3, **kwargs)
+    for mine, theirs in zip(out.logits, ref.logits, strict=True):  # sensitive to the copied K/V of duplicates
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    assert out.sequences.shape[0] == 6
+    steps = out.sequences.shape[1] - 22
     assert engine.stats.computed_tokens == 22 + 9 + 6 * (steps - 1)  # each prompt once, then 6 decoding rows
     assert engine.stats.prompt_tokens == 3 * (22 + 9)
     _clean(model)
@@ -255,7 +267,8 @@ def test_num_return_sequences_computes_the_prompt_once(page_size: int, gen):
 
 def test_multi_turn_chat_reuses_previous_answer(tokenizer):
     model = _model("mistral")
-    turn = tokenizer("You are a helpful assistant. Question: what is the capital of France? Answer:")["input_ids"]
+    turn = tokenizer("You are a helpful assistant. Question: what is the capital of France? Answer:")
+    turn = turn["input_ids"]
     out = _both(model, [turn], max_new_tokens=6, eos_token_id=None)
     answer = out[0, len(turn):].tolist()
     assert len(answer) == 6
@@ -351,6 +364,10 @@ def test_streamers_processors_and_stopping_criteria(tokenizer, gen):
         texts.append("".join(streamer))
         thread.join()
     assert texts[0] == texts[1] and texts[0]
+
+    # classifier-free guidance: the processor's own unconditional model calls pass through untouched
+    _both(model, [prompt], max_new_tokens=4, guidance_scale=1.5)
+    _both(model, [prompt], max_new_tokens=4, guidance_scale=2.0, negative_prompt_ids=torch.tensor([[3, 4]]))
     _clean(model)
 
 
@@ -376,8 +393,8 @@ def test_inputs_embeds_work_and_are_never_cached(gen):
     ids, mask = _left_pad([random_ids(gen, 9), random_ids(gen, 5)])
     with torch.no_grad():
         embeds = model.get_input_embeddings()(ids)
-    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=PAD,
-                  eos_token_id=None)
+    kwargs = dict(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                  pad_token_id=PAD, eos_token_id=None)
     ref = model.generate(**kwargs)
     got = model.generate(**kwargs, cache_implementation="radix")
     assert torch.equal(got, ref)
@@ -491,7 +508,8 @@ def test_right_padding_raises_and_leaves_engine_usable(gen):
     ids = torch.tensor([a, b + [PAD] * 3])
     mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3])
     with pytest.raises(ValueError, match="left padding"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD, cache_implementation="radix")
+        model.generate(ids, attention_mask=mask, max_new_tokens=3, pad_token_id=PAD,
+                       cache_implementation="radix")
     engine = _clean(model)
     assert engine.manager.tree.size_info.total_size == 0
     _both(model, [a, b], max_new_tokens=3)
@@ -520,7 +538,10 @@ def test_eviction_under_memory_pressure_keeps_outputs_equal(gen):
     model = _model("qwen2", page_size=4, max_total_tokens=96)
     shared = random_ids(gen, 12)
     for i in range(8):
-        prompts = [shared + random_ids(gen, 20 + i % 3)] if i % 2 else [random_ids(gen, 30), shared + [5, 6, 7]]
+        if i % 2:
+            prompts = [shared + random_ids(gen, 20 + i % 3)]
+        else:
+            prompts = [random_ids(gen, 30), shared + [5, 6, 7]]
         _both(model, prompts, max_new_tokens=6)
         _clean(model)
     stats = hf_radix.cache_stats(model)
