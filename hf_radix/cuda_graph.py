@@ -122,7 +122,7 @@ class DecodeGraphs:
     def run(
         self, row_slots: Sequence[np.ndarray], token_ids: Sequence[int], positions: Sequence[int]
     ) -> torch.Tensor:
-        """Decodes one token per row (`positions[i]`: its new token's position); returns `[B, vocab]` logits."""
+        """Decodes one token per row (`positions[i]`: where its new token goes); returns `[B, vocab]`."""
         size = self.bucket(len(token_ids))
         if size is None:
             raise ValueError(f"batch of {len(token_ids)} exceeds the captured maximum {self.max_batch}")
