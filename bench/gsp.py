@@ -133,7 +133,7 @@ def main() -> None:
     runner = RadixBatchRunner(
         model,
         max_total_tokens=None if device == "cuda" else 4096,
-        mem_fraction=0.7,
+        mem_fraction=0.4,
         chunked_prefill_size=8192,
     )
     results: dict = {
