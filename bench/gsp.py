@@ -132,7 +132,7 @@ def main() -> None:
     vocab = model.config.vocab_size
     runner = RadixBatchRunner(
         model,
-        max_total_tokens=None if device == "cuda" else 4096,
+        max_total_tokens=200_000 if device == "cuda" else 4096,
         mem_fraction=0.4,
         chunked_prefill_size=8192,
     )

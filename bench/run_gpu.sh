@@ -2,7 +2,7 @@
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT.
 # Usage on the device machine: bash bench/run_gpu.sh [tests] [gsp] [generate] [score]
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for step in "$@"; do

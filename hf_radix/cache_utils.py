@@ -364,6 +364,7 @@ class RadixGenerateCache(RadixCache):
 
 CACHE_IMPLEMENTATION = "radix"
 _SUPPORTED_MODES = ("greedy_search", "sample")
+_TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
 _active_engines: set[int] = set()
 _active_lock = threading.Lock()
 
@@ -467,18 +468,13 @@ def _radix_generate(original, model, kwargs: dict):
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
         logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
     )
-    call = dict(kwargs)
+    # generate must not see what the radix path takes over: not in keywords, not in a config object (a
+    # copy; the user's stays untouched), not in the model's defaults (restored when the call ends).
+    call = {key: value for key, value in kwargs.items() if key not in _TAKEN_OVER}
     if call.get("generation_config") is not None:
-        # The user's object stays untouched; generate gets a copy without what the radix path takes over.
         call["generation_config"] = copy.deepcopy(call["generation_config"])
-        call["generation_config"].cache_implementation = None
-        call["generation_config"].prefill_chunk_size = None
-        call.pop("cache_implementation", None)
-        call.pop("prefill_chunk_size", None)
-    else:
-        call["cache_implementation"] = None
-        if cache.prefill_chunk_size is not None:
-            call["prefill_chunk_size"] = None
+        for name in _TAKEN_OVER:
+            setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
     cache.model_attention = model.config._attn_implementation
     with _active_lock:
@@ -488,8 +484,12 @@ def _radix_generate(original, model, kwargs: dict):
                 "after another or pass the prompts as one batch"
             )
         _active_engines.add(id(engine))
+    defaults = model.generation_config
+    saved = {name: getattr(defaults, name) for name in _TAKEN_OVER if hasattr(defaults, name)}
     result = None
     try:
+        for name in saved:
+            setattr(defaults, name, None)
         hooks = [
             model.register_forward_pre_hook(cache.pre_forward, with_kwargs=True),
             model.register_forward_hook(cache.post_forward, with_kwargs=True),
@@ -502,6 +502,8 @@ def _radix_generate(original, model, kwargs: dict):
                 hook.remove()
             cache.finish(_sequences(result))
     finally:
+        for name, value in saved.items():
+            setattr(defaults, name, value)
         with _active_lock:
             _active_engines.discard(id(engine))
     return result

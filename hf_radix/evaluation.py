@@ -49,11 +49,11 @@ def default_prefix_token_id(runner: RadixBatchRunner) -> int:
             token = token[0] if token else None
         if token is not None:
             return int(token)
-    raise ValueError("neither the tokenizer nor the model config has a BOS or EOS token; pass prefix_token_id")
+    raise ValueError("the tokenizer and the model config have no BOS or EOS token; pass prefix_token_id")
 
 
 def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> list[list[int]]:
-    """Strings are tokenized without special tokens (the prefix token plays BOS); token-id lists pass through."""
+    """Strings are tokenized without special tokens (the prefix token plays BOS); token ids pass through."""
     texts = list(texts)
     if texts and all(isinstance(t, str) for t in texts):
         if runner.tokenizer is None:

@@ -6,7 +6,8 @@ empty contexts and rolling windows), so per-sample log-likelihoods agree with it
 shared few-shot prefixes and contexts are computed once.
 
     import hf_radix.lm_eval_backend  # registers "hf-radix"
-    lm_eval.simple_evaluate(model="hf-radix", model_args={"pretrained": "meta-llama/Llama-3.1-8B"}, tasks=[...])
+    lm_eval.simple_evaluate(model="hf-radix", model_args={"pretrained": "meta-llama/Llama-3.1-8B"},
+                            tasks=["mmlu"], num_fewshot=5)
 
 From the shell: `python -m hf_radix.lm_eval_backend --model hf-radix --model_args pretrained=... --tasks ...`.
 """
@@ -97,9 +98,10 @@ class HFRadixLM(TemplateLM):
             )
         self.tokenizer = tokenizer
         self.runner = RadixBatchRunner(
-            model, tokenizer, page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
-            max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
-            schedule_policy=schedule_policy, attn_backend=attn_backend, cuda_graph=cuda_graph,
+            model, tokenizer, page_size=page_size, max_total_tokens=max_total_tokens,
+            mem_fraction=mem_fraction, max_running_requests=max_running_requests,
+            chunked_prefill_size=chunked_prefill_size, schedule_policy=schedule_policy,
+            attn_backend=attn_backend, cuda_graph=cuda_graph,
         )
         self._device = model.device
         self._max_length = max_length or resolve_max_length(model.config, tokenizer)
@@ -138,7 +140,7 @@ class HFRadixLM(TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Like the "hf" backend: the tokenizer's default special tokens unless told (or BOS already there)."""
+        """As the "hf" backend: the tokenizer's default special tokens unless told (or BOS is there)."""
         if add_special_tokens is None:
             add_special_tokens = self.add_bos_token
             bos = self.tokenizer.decode(self.prefix_token_id)
@@ -147,7 +149,9 @@ class HFRadixLM(TemplateLM):
         options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         return self.tokenizer.encode(string, **options)
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
         return self.tokenizer.apply_chat_template(
             chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=not add_generation_prompt,
@@ -155,11 +159,13 @@ class HFRadixLM(TemplateLM):
 
     # -- requests ------------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests: list, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        """Scores `((context, continuation) | None, context_ids, continuation_ids)` triples in one runner call."""
+        """Scores `(key | None, context_ids, continuation_ids)` triples in one runner call."""
         pairs = []
         for _, context, continuation in requests:
             if len(continuation) > self.max_length:
-                raise ValueError(f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}")
+                raise ValueError(
+                    f"continuation of {len(continuation)} tokens exceeds max_length {self.max_length}"
+                )
             whole = (context + continuation)[-(self.max_length + 1):]  # the model sees at most max_length
             pairs.append((whole[:len(whole) - len(continuation)], continuation))
         results = self.runner.loglikelihood(pairs, progress=False if disable_tqdm else None)
@@ -188,7 +194,9 @@ class HFRadixLM(TemplateLM):
         for ids, p in zip(prompts, params):
             room = self.max_length - p.max_new_tokens
             if room <= 0:
-                raise ValueError(f"max_gen_toks ({p.max_new_tokens}) must be below max_length ({self.max_length})")
+                raise ValueError(
+                    f"max_gen_toks ({p.max_new_tokens}) must be below max_length ({self.max_length})"
+                )
             del ids[:-room]  # keep the last `room` tokens, like the "hf" backend's left truncation
         outputs = self.runner.run(prompts, params, progress=False if disable_tqdm else None)
         texts = []
@@ -207,7 +215,8 @@ class HFRadixLM(TemplateLM):
         options = {k: kwargs[k] for k in _SAMPLING_KEYS if kwargs.get(k) is not None}
         if not kwargs.get("do_sample"):
             options["temperature"] = 0.0
-        return SamplingParams(max_new_tokens=int(kwargs["max_gen_toks"]), stop=[s for s in until if s], **options)
+        stop = [s for s in until if s]
+        return SamplingParams(max_new_tokens=int(kwargs["max_gen_toks"]), stop=stop, **options)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,8 @@ def tokenizer():
 
 
 def _hf_lm(model, tokenizer, **options):
-    hf_class = pytest.importorskip("lm_eval.models.huggingface", reason="lm-eval's hf backend needs accelerate").HFLM
-    return hf_class(pretrained=model, tokenizer=tokenizer, batch_size=4, **options)
+    hf = pytest.importorskip("lm_eval.models.huggingface", reason="lm-eval's hf backend needs accelerate")
+    return hf.HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, **options)
 
 
 def _evaluate(model_name: str, model_args: dict) -> dict:
@@ -91,7 +91,8 @@ def test_tokenization_edge_cases_match_hf_backend(model, tokenizer):
 
     texts = [long, "eight", long * 2 + "0 1 2 3 4 5 6 7 8 9 ten eleven twelve."]
     rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
-    assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=ATOL)
+    want = theirs.loglikelihood_rolling(rolling)
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(want, abs=ATOL)
 
     kwargs = [{"until": ["\n"], "max_gen_toks": 6, "do_sample": False}, {"until": "e", "max_gen_toks": 8},
               {"max_new_tokens": 5, "temperature": 0.0}]
@@ -109,7 +110,8 @@ def test_loads_from_a_path(model, tokenizer, tmp_path):
     loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device="cpu")
     in_memory = HFRadixLM(pretrained=model, tokenizer=tokenizer)
     requests = [Instance("loglikelihood", {}, ("Answer briefly and precisely:", " Paris."), 0)]
-    assert loaded.loglikelihood(requests)[0][0] == pytest.approx(in_memory.loglikelihood(requests)[0][0], abs=ATOL)
+    want = in_memory.loglikelihood(requests)[0][0]
+    assert loaded.loglikelihood(requests)[0][0] == pytest.approx(want, abs=ATOL)
     assert loaded.model.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         HFRadixLM(pretrained=str(tmp_path), dtype="float33")

@@ -32,7 +32,7 @@ def make_runner() -> Iterator[Callable[..., RadixBatchRunner]]:
 
 
 def hf_score(model: torch.nn.Module, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-    """(sum of continuation log-probs, greedy flag) from one transformers forward over context + continuation."""
+    """(sum of continuation log-probs, greedy flag) from one plain forward of context + continuation."""
     logits = hf_logits(model, context + continuation)
     positions = torch.arange(len(context) - 1, len(context) + len(continuation) - 1)
     targets = torch.tensor(continuation)
