@@ -143,7 +143,7 @@ def main() -> None:
         "question_len": question_len,
         "new_tokens": new_tokens,
         "attn_backend": runner.engine.backend.name,
-        "pool_tokens": runner.engine.pool.num_slots,
+        "pool_tokens": runner.engine.manager.num_pages * runner.engine.page_size,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
