@@ -25,7 +25,7 @@ setup(
         "flashinfer": ["flashinfer-python"],
         "flash-attn": ["flash-attn"],
         "datasets": ["datasets"],
-        "eval": ["lm-eval>=0.4.9"],
+        "eval": ["lm-eval>=0.4.13", "accelerate"],
         "test": _read_requirements("requirements-test.txt"),
     },
     entry_points={"lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"]},

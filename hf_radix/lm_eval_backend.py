@@ -77,14 +77,16 @@ class HFRadixLM(TemplateLM):
     ):
         super().__init__()
         if isinstance(pretrained, str):
-            device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+            # lm-eval's CLI passes device="cuda" by default; like its "hf" backend, fall back to the CPU
+            if device is None or (device.startswith("cuda") and not torch.cuda.is_available()):
+                device = "cuda" if torch.cuda.is_available() else "cpu"
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained, dtype=_dtype(dtype), revision=revision, trust_remote_code=trust_remote_code
             )
             model = model.to(device)
         else:
             model = pretrained
-            if device is not None and torch.device(device) != model.device:
+            if device is not None and torch.device(device).type != model.device.type:
                 logger.warning("hf-radix: ignoring device=%s for a model already on %s", device, model.device)
         model.eval()
         if tokenizer is None:

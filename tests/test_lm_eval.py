@@ -107,7 +107,10 @@ def test_tokenization_edge_cases_match_hf_backend(model, tokenizer):
 def test_loads_from_a_path(model, tokenizer, tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device="cpu")
+    # lm-eval's CLI passes device="cuda" by default: without CUDA the model loads on the CPU
+    device = "cpu" if torch.cuda.is_available() else "cuda"
+    loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device=device)
+    assert loaded.model.device.type == "cpu"
     in_memory = HFRadixLM(pretrained=model, tokenizer=tokenizer)
     requests = [Instance("loglikelihood", {}, ("Answer briefly and precisely:", " Paris."), 0)]
     want = in_memory.loglikelihood(requests)[0][0]

@@ -163,7 +163,8 @@ def test_loglikelihood_rolling_matches_hf(tokenizer, make_runner):
     # strings are tokenized without special tokens, the first token conditioned on BOS/EOS
     text = "The radix tree records mappings; the KV pool stores data. " * 3
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert runner.loglikelihood_rolling([text]) == pytest.approx([_hf_rolling(model, ids, eos, 16)], abs=ATOL)
+    want = [0.0, _hf_rolling(model, ids, eos, 16)]
+    assert runner.loglikelihood_rolling(["", text]) == pytest.approx(want, abs=ATOL)
     # a smaller window than the context, explicit prefix
     short = loglikelihood_rolling(runner, texts[:5], prefix_token_id=7, max_length=6)
     assert short == pytest.approx([_hf_rolling(model, t, 7, 6) for t in texts[:5]], abs=ATOL)
