@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,9 @@ from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel  # noqa: E
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
-BUDGET_S = 90  # the notebook takes ~15 s alone on 2 cores; the slack is for a loaded machine
+CELL_TIMEOUT_S = 300  # a hang guard, not a speed check: the notebook takes ~15 s alone on 2 cores
+
+pytestmark = pytest.mark.slow
 
 
 def test_quickstart_notebook_runs():
@@ -25,11 +26,9 @@ def test_quickstart_notebook_runs():
         pytest.skip("no python3 Jupyter kernel spec (install ipykernel in this environment)")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(
-        nb, kernel_name="python3", timeout=BUDGET_S, resources={"metadata": {"path": str(ROOT)}}
+        nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(ROOT)}}
     )
-    start = time.perf_counter()
     client.execute()  # raises CellExecutionError with the failing cell's traceback
-    assert time.perf_counter() - start < BUDGET_S
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
