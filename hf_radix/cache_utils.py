@@ -6,14 +6,16 @@ import copy
 import functools
 import inspect
 import threading
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .attention import ATTENTION_NAME
+from .cuda_graph import DecodeGraphs
 from .forward_batch import ForwardBatch, build_forward_batch
 
 if TYPE_CHECKING:
@@ -61,10 +63,11 @@ OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds
 class RadixGenerateCache(RadixCache):
     """The cache `generate(..., cache_implementation="radix")` runs with: one per call.
 
-    A forward pre-hook turns each padded `(B, S)` step of generate into a packed batch of only the
-    tokens not yet in the pool (each row reuses its own cached prefix; padding never enters the pool);
-    a forward hook turns the packed logits back into `(B, 1, vocab)`. Rows with identical prompts are
-    computed once. `finish` inserts prompts and answers into the tree and releases every lock.
+    During the call the model's `forward` goes through `RadixGenerateCache.forward`: each padded `(B, S)`
+    step of generate becomes a packed batch of only the tokens not yet in the pool (each row reuses its
+    own cached prefix; padding never enters the pool), and the packed logits come back as `(B, 1, vocab)`.
+    Rows with identical prompts are computed once. `finish` inserts prompts and answers into the tree
+    and releases every lock.
     """
 
     def __init__(
@@ -89,30 +92,65 @@ class RadixGenerateCache(RadixCache):
         self.prompt_lens: list[int] = []
         self.opaque: list[bool] = []  # prompt given as inputs_embeds: nothing of the row is matched or cached
         self.seen = 0  # padded length generate has handed us so far
-        self.steps = 0  # hooked forwards done (each is followed by one sampled token per row)
+        self.steps = 0  # generate's forwards done (each is followed by one sampled token per row)
         self.finished = False
         self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
-        self._foreign = 0  # depth of model calls made inside generate by others (e.g. a guidance processor)
+        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA, Triton attention)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 
-    # -- hooks ---------------------------------------------------------------------------------------
-    def pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Replaces generate's padded step with a packed batch of the tokens not in the pool yet."""
+    # -- the model's forward during the call ------------------------------------------------------------
+    def forward(self, model: torch.nn.Module, inner: Callable, args: tuple, kwargs: dict):
+        """Generate's model call: runs only the tokens not in the pool yet, returns `(B, 1, vocab)` logits.
+
+        Decode steps replay a captured CUDA graph when one is available; other calls made to the model
+        during the call (a runner's, classifier-free guidance's own pass) run untouched.
+        """
         if self._inner or "radix_cache" in kwargs:
-            return None  # our own prefill chunk, or another hf_radix forward (a runner) run inside generate
+            return inner(*args, **kwargs)  # our own prefill chunk, or a runner's forward inside generate
         if kwargs.get(self.engine.cache_kwarg) is not self:
-            # A call that is not generate's step (e.g. classifier-free guidance's unconditional pass, with its
-            # own cache): it runs untouched, with the model's own attention.
-            self._foreign += 1
-            if self.model_attention is not None:
-                module.config._attn_implementation = self.model_attention
-            return None
+            # Not generate's step (e.g. classifier-free guidance's unconditional pass, with its own cache):
+            # it runs with the model's own attention.
+            previous = model.config._attn_implementation
+            model.config._attn_implementation = self.model_attention
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                model.config._attn_implementation = previous
+        self._take_step(model, args, kwargs)
+        if self._graph_ready():
+            logits = self._graph_decode()
+            output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
+        else:
+            self.batch, packed_embeds = self._make_batch(None, logits=True)
+            call = {key: value for key, value in kwargs.items() if key != "cache_position"}
+            call.update(self._model_inputs(self.batch, packed_embeds))
+            call["attention_mask"] = None
+            output = inner(**call)
+            logits = output.logits[0]
+            if not self.supports_logits_to_keep:
+                logits = logits[self.batch.logits_indices]
+            self.engine.record_forward(self.batch.num_tokens)
+            self.batch = None
+        if self._logits_rows is not None:
+            logits = logits[self._logits_rows]
+        output.logits = logits[:, None, :]
+        for b in range(len(self.rows)):
+            if b not in self._followers:
+                self.computed[b] = len(self.tokens[b])
+        if self.steps == 0:
+            self._embeds = None
+            self._share_duplicates()
+        self.steps += 1
+        return output
+
+    def _take_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Reads the new tokens of generate's padded step (opening the rows on the first one)."""
         if self.finished:
             raise RuntimeError("this generate(cache_implementation='radix') call has already finished")
         if args:
@@ -140,40 +178,30 @@ class RadixGenerateCache(RadixCache):
                 self.tokens[row].extend(ids)
         self.seen = total
         if self.steps == 0 and self.prefill_chunk_size:
-            self._prefill_in_chunks(module)
-        self.batch, packed_embeds = self._make_batch(None, logits=True)
-        kwargs = {key: value for key, value in kwargs.items() if key != "cache_position"}
-        kwargs.update(self._model_inputs(self.batch, packed_embeds))
-        kwargs["attention_mask"] = None
-        return (), kwargs
+            self._prefill_in_chunks(model)
 
-    def post_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict, output):
-        """Turns the packed logits into generate's `(B, 1, vocab)`; shares duplicated prompts after step 0."""
-        if self._inner or kwargs.get("radix_cache", self) is not self:
-            return None
-        if kwargs.get(self.engine.cache_kwarg) is not self:
-            self._foreign -= 1
-            if self._foreign == 0 and self.model_attention is not None:
-                module.config._attn_implementation = ATTENTION_NAME
-            return None
-        batch = self.batch
-        logits = output.logits[0]
-        if not self.supports_logits_to_keep:
-            logits = logits[batch.logits_indices]
-        if self._logits_rows is not None:
-            logits = logits[self._logits_rows]
-        output.logits = logits[:, None, :]
-        self.engine.stats.computed_tokens += batch.num_tokens
-        self.engine.stats.forward_calls += 1
-        for b in range(len(self.rows)):
-            if b not in self._followers:
-                self.computed[b] = len(self.tokens[b])
-        if self.steps == 0:
-            self._embeds = None
-            self._share_duplicates()
-        self.steps += 1
-        self.batch = None
-        return output
+    def _graph_ready(self) -> bool:
+        """Whether this step is a plain decode step that a captured graph can run."""
+        graphs = self.graphs
+        if graphs is None or self.steps == 0 or self._followers or self._embeds is not None:
+            return False
+        size = len(self.rows)
+        bucket = graphs.bucket(size)
+        if bucket is None or any(len(t) - c != 1 for t, c in zip(self.tokens, self.computed, strict=True)):
+            return False
+        return sum(map(len, self.tokens)) + bucket - size <= graphs.max_kv
+
+    def _graph_decode(self) -> torch.Tensor:
+        """One decode step of every row by graph replay; returns `[B, vocab]` logits (a copy)."""
+        manager = self.engine.manager
+        manager.allocate(self.rows, [len(t) for t in self.tokens])
+        logits = self.graphs.run(
+            [manager.row_slots(row) for row in self.rows],
+            [t[-1] for t in self.tokens],
+            [len(t) - 1 for t in self.tokens],
+        )
+        self.engine.record_forward(len(self.rows))
+        return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
     def _open_rows(
@@ -304,8 +332,7 @@ class RadixGenerateCache(RadixCache):
                 module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
             finally:
                 self.batch, self._inner = None, False
-            self.engine.stats.computed_tokens += batch.num_tokens
-            self.engine.stats.forward_calls += 1
+            self.engine.record_forward(batch.num_tokens)
             for b, end in ends.items():
                 self.computed[b] = end
 
@@ -365,7 +392,10 @@ class RadixGenerateCache(RadixCache):
 CACHE_IMPLEMENTATION = "radix"
 _SUPPORTED_MODES = ("greedy_search", "sample")
 _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-_active_engines: set[int] = set()
+CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps where possible
+CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> DecodeGraphs
+_active_engines: set[int] = set()  # engines with a radix generate call in progress
 _active_lock = threading.Lock()
 
 
@@ -378,7 +408,7 @@ def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | N
 
 
 def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
-    """`generate`'s positional arguments (after the prompt tensor's `self`) turned into keywords."""
+    """`generate`'s positional arguments (after `self`) turned into keywords."""
     if not args:
         return dict(kwargs)
     params = list(inspect.signature(original).parameters.values())[1:]
@@ -453,8 +483,39 @@ def _sequences(result) -> torch.Tensor | None:
     return getattr(result, "sequences", None)
 
 
+def _decode_graphs(engine: RadixEngine) -> DecodeGraphs | None:
+    """The engine's captured decode graphs for generate (CUDA with Triton attention), made on first use."""
+    if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
+        return None
+    graphs = _graphs.get(engine)
+    if graphs is None:
+        graphs = _graphs[engine] = DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH, engine.scratch_slot)
+    return graphs
+
+
+def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callable[[], None]:
+    """Sends the model's forward through `cache.forward` (signature kept); returns the undo."""
+    own = vars(model)
+    had, previous = "forward" in own, own.get("forward")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return cache.forward(model, inner, args, kwargs)
+
+    model.forward = forward
+
+    def restore() -> None:
+        if had:
+            model.forward = previous
+        else:
+            own.pop("forward", None)
+
+    return restore
+
+
 def _radix_generate(original, model, kwargs: dict):
-    """Runs `original` generate with a RadixGenerateCache and its hooks; always releases what it holds."""
+    """Runs `original` generate with a RadixGenerateCache routing the model's forward; always cleans up."""
     from .engine import get_engine, radix_attention
 
     config = _effective_config(model, kwargs)
@@ -477,6 +538,7 @@ def _radix_generate(original, model, kwargs: dict):
             setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
     cache.model_attention = model.config._attn_implementation
+    cache.graphs = _decode_graphs(engine)
     with _active_lock:
         if id(engine) in _active_engines:
             raise RuntimeError(
@@ -490,16 +552,12 @@ def _radix_generate(original, model, kwargs: dict):
     try:
         for name in saved:
             setattr(defaults, name, None)
-        hooks = [
-            model.register_forward_pre_hook(cache.pre_forward, with_kwargs=True),
-            model.register_forward_hook(cache.post_forward, with_kwargs=True),
-        ]
+        restore_forward = _route_forward(model, cache)
         try:
             with radix_attention(model):
                 result = original(model, **call)
         finally:
-            for hook in hooks:
-                hook.remove()
+            restore_forward()
             cache.finish(_sequences(result))
     finally:
         for name, value in saved.items():

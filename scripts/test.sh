@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-"$PY" -m pip install -q -e ".[test]" "transformers>=5.17,<6"
+"$PY" -m pip install -q -e ".[test]"
+"$PY" -m pip install -q -U "transformers>=5.17,<6"
 "$PY" -m ruff check .
 echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
 "$PY" -m pytest -q -p no:cacheprovider "$@"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -21,6 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_radix
 from hf_radix import cache_utils
 from hf_radix.engine import _ENGINE_ATTR
+from hf_radix.forward_batch import build_forward_batch
 from hf_radix.tiny import tiny_model
 
 PAD = 0
@@ -66,11 +68,11 @@ def _both(model, prompts: list[list[int]], seed: int | None = None, **kwargs):
 
 
 def _clean(model) -> hf_radix.RadixEngine:
-    """The engine is consistent and idle; generate left no hook or attention switch behind."""
+    """The engine is consistent and idle; generate left no forward override, hook or attention switch."""
     engine = hf_radix.get_engine(model)
     engine.check_integrity()
     assert engine.manager.num_rows == 0
-    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert "forward" not in vars(model) and not model._forward_pre_hooks and not model._forward_hooks
     assert model.config._attn_implementation != "radix"
     return engine
 
@@ -123,7 +125,7 @@ def test_registration_is_idempotent_and_minimal():
 
 
 def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
-    """Without cache_implementation="radix" the wrapper is a pass-through: no engine, no cache, no hooks."""
+    """Without cache_implementation="radix" generate is untouched: no engine, no cache, no override."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("RadixGenerateCache built for a default generate call")
@@ -136,7 +138,7 @@ def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
     model.generation_config.cache_implementation = "radix"
     _generate(model, prompts, False, max_new_tokens=3, cache_implementation=None)  # an explicit None wins
     assert getattr(model, _ENGINE_ATTR, None) is None
-    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert "forward" not in vars(model)
 
 
 def test_three_ways_to_ask_for_radix(gen):
@@ -414,6 +416,39 @@ def test_prefill_chunk_size_is_honoured(gen):
     # 9 + 14 uncached prompt tokens in chunks of <= 5 (each row's last token in generate's own forward)
     assert engine.stats.computed_tokens - computed == 9 + 14 + 2 * 2
     assert engine.stats.forward_calls - calls >= 5 + 2
+    _clean(model)
+
+
+class _EagerGraphs:
+    """Stands in for DecodeGraphs on the CPU: the same interface, run eagerly (buckets up to 4 rows)."""
+
+    max_kv = 1 << 20
+
+    def __init__(self, engine: hf_radix.RadixEngine):
+        self.engine, self.runs = engine, 0
+
+    def bucket(self, size: int) -> int | None:
+        return size if size <= 4 else None
+
+    def run(self, row_slots, token_ids, positions) -> torch.Tensor:
+        self.runs += 1
+        ids = [np.array([t]) for t in token_ids]
+        return self.engine.run_model(build_forward_batch(row_slots, ids, positions, None, self.engine.device))
+
+
+def test_decode_steps_go_through_the_graph_runner(monkeypatch, gen):
+    """Decode steps use the captured-graph interface (prefill, duplicates and big batches stay eager)."""
+    model = _model("gemma2", page_size=4)
+    engine = hf_radix.get_engine(model)
+    graphs = _EagerGraphs(engine)
+    monkeypatch.setattr(cache_utils, "_decode_graphs", lambda engine: graphs)
+    prompts = [random_ids(gen, 10), random_ids(gen, 6), random_ids(gen, 13)]
+    out = _both(model, prompts, max_new_tokens=6, eos_token_id=None)
+    assert graphs.runs == 5 and engine.stats.computed_tokens == 29 + 3 * 5
+    out = _both(model, prompts[:2], seed=2, max_new_tokens=4, do_sample=True, num_return_sequences=2, top_k=0)
+    assert graphs.runs == 5 + 3 and out.shape[0] == 4
+    _both(model, [random_ids(gen, 5) for _ in range(5)], max_new_tokens=3)  # 5 rows: no bucket, eager
+    assert graphs.runs == 8
     _clean(model)
 
 
