@@ -1,0 +1,272 @@
+"""generate(cache_implementation="radix") against the default cache: a long shared few-shot prefix, batch 1.
+
+Workload (H200): Llama-3.1-8B shape with random bf16 weights; every prompt is the same 4,096-token few-shot
+prefix + its own 64-token question; questions run one after another, radix and default alternating, in one
+process. Measured per question, median over the questions (warm-up and a priming call come first):
+
+  (a) time to first token: a whole `generate(max_new_tokens=1)` call           goal: radix >= 10x faster
+  (b) a whole call with 4 new tokens                                           goal: radix >= 2x faster
+  (c) one decode step at a 4K context: (t(max_new_tokens=65) - t(1)) / 64      goal: radix within 10%
+
+    python bench/generate_bench.py --json bench/results/generate_h200.json
+    python bench/generate_bench.py --tiny            # CPU self-check: tiny model, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hf_radix  # noqa: E402
+from hf_radix.tiny import tiny_config  # noqa: E402
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=14336,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
+
+
+def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, float]:
+    """A random-weight Llama built directly on `device` in `dtype`; returns it and the seconds it took."""
+    config = tiny_config("llama", eos_token_id=None) if tiny else transformers.LlamaConfig(**LLAMA_8B)
+    config._attn_implementation = "sdpa"
+    start = time.perf_counter()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.eval()
+    model.generation_config.eos_token_id = None  # random weights: always generate max_new_tokens
+    model.generation_config.pad_token_id = 0
+    sync(device)
+    return model, time.perf_counter() - start
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return time.perf_counter() - start, out
+
+
+def distinct_questions(gen: torch.Generator, count: int, length: int, vocab: int) -> list[list[int]]:
+    """`count` random questions whose first tokens all differ (so each matches exactly the shared prefix)."""
+    firsts = torch.randperm(vocab - 2, generator=gen)[:count] + 2
+    rest = torch.randint(2, vocab, (count, length - 1), generator=gen)
+    return [[int(f), *r.tolist()] for f, r in zip(firsts, rest, strict=True)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    torch.manual_seed(0)
+    model, init_s = build_model(args.tiny, device, dtype)
+    pool = dict(max_total_tokens=args.max_total_tokens) if args.max_total_tokens else dict(mem_fraction=0.5)
+    engine = hf_radix.configure(model, page_size=args.page_size, attn_backend=args.attn_backend, **pool)
+    vocab = model.config.vocab_size
+
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(2, vocab, (args.prefix,), generator=gen).tolist()
+    n = args.questions
+    questions = distinct_questions(gen, 3 * n + 4, args.question, vocab)
+    q_a, q_b, q_c = questions[:n], questions[n:2 * n], questions[2 * n:3 * n]
+    warm_other, prime = questions[3 * n:3 * n + 2], questions[3 * n + 2]
+    other_prefix = torch.randint(2, vocab, (args.prefix,), generator=gen).tolist()
+
+    def call(ids: list[int], new: int, radix: bool) -> torch.Tensor:
+        extra = dict(cache_implementation="radix") if radix else {}
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([ids], device=device), attention_mask=torch.ones(1, len(ids), device=device,
+                                                                              dtype=torch.long),
+                max_new_tokens=new, do_sample=False, **extra,
+            )
+        return out[0, len(ids):]
+
+    # warm-up: kernels, allocator, Triton compilation; on another prefix so nothing measured is cached by it
+    for radix in (False, True):
+        for q in warm_other:
+            for new in (1, 4, 3):
+                call(other_prefix + q, new, radix)
+    # priming: the first call with the shared prefix computes it (the radix cold start)
+    cold = {radix: timed(device, lambda r=radix: call(prefix + prime, 1, r))[0] for radix in (False, True)}
+    if args.profile:
+        return profile(device, lambda q, new, r: call(prefix + q, new, r), q_a, q_b)
+    computed_before = engine.stats.computed_tokens
+
+    times: dict[str, dict[str, list[float]]] = {"default": {}, "radix": {}}
+    agree = 0
+    for part, qs, new in (("ttft", q_a, 1), ("call4", q_b, 4), ("call65", q_c, 65)):
+        for name in times:
+            times[name][part] = []
+        for q in qs:
+            outs = {}
+            for name, radix in (("default", False), ("radix", True)):
+                elapsed, outs[name] = timed(device, lambda q=q, new=new, r=radix: call(prefix + q, new, r))
+                times[name][part].append(elapsed)
+            if part == "call4":
+                agree += int(torch.equal(outs["default"], outs["radix"]))
+    engine.check_integrity()
+
+    med = {name: {part: statistics.median(v) for part, v in parts.items()} for name, parts in times.items()}
+    decode = {name: (m["call65"] - m["ttft"]) / 64 for name, m in med.items()}
+    ratios = {
+        "ttft_speedup": med["default"]["ttft"] / med["radix"]["ttft"],
+        "call4_speedup": med["default"]["call4"] / med["radix"]["call4"],
+        "decode_ratio": decode["radix"] / decode["default"],
+    }
+    stats = hf_radix.cache_stats(model)
+    return {
+        "config": {
+            "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shape (random weights)",
+            "dtype": str(dtype).replace("torch.", ""),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "prefix_tokens": args.prefix,
+            "question_tokens": args.question,
+            "questions_per_part": n,
+            "page_size": args.page_size,
+            "attn_backend": engine.backend.name,
+            "radix_decode_cuda_graph": hf_radix.cache_utils._decode_graphs(engine) is not None,
+            "default_attention": "sdpa",
+            "pool_tokens": engine.pool.num_slots,
+            "model_init_s": init_s,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "cold_ttft_s": {"default": cold[False], "radix": cold[True]},
+        "median_s": med,
+        "decode_step_s": decode,
+        "ratios": ratios,
+        "goals": GOALS,
+        "goals_met": {
+            "ttft_speedup": ratios["ttft_speedup"] >= GOALS["ttft_speedup"],
+            "call4_speedup": ratios["call4_speedup"] >= GOALS["call4_speedup"],
+            "decode_ratio": ratios["decode_ratio"] <= GOALS["decode_ratio_max"],
+        },
+        "call4_greedy_agreement": agree / n,
+        "radix_tokens_computed_in_measured_calls": engine.stats.computed_tokens - computed_before,
+        "cache_stats": stats,
+        "raw_s": times,
+    }
+
+
+def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: list[list[int]]) -> dict:
+    """Where the time of one TTFT call and one 17-token call goes: Python (cProfile) and kernels."""
+    import cProfile
+    import io
+    import pstats
+
+    for radix, name in ((False, "default"), (True, "radix")):
+        for q, new in ((q_a[0], 1), (q_b[0], 17)):
+            stats = cProfile.Profile()
+            sync(device)
+            stats.enable()
+            call(q, new, radix)
+            sync(device)
+            stats.disable()
+            out = io.StringIO()
+            pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(18)
+            print(f"\n===== {name}, max_new_tokens={new}: Python, by own time =====")
+            print("\n".join(out.getvalue().splitlines()[:40]))
+        with torch.profiler.profile() as prof:
+            call(q_a[1], 9, radix)
+            sync(device)
+        print(f"\n===== {name}, max_new_tokens=9: torch ops =====")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+    return {"profile": True}
+
+
+def print_table(result: dict) -> None:
+    med, decode, ratios = result["median_s"], result["decode_step_s"], result["ratios"]
+    goals, cfg = result["goals"], result["config"]
+    print(f"\n{cfg['model']} {cfg['dtype']} on {cfg['device']}: prefix {cfg['prefix_tokens']} + question "
+          f"{cfg['question_tokens']}, {cfg['questions_per_part']} questions, median")
+    rows = [
+        ("time to first token", med["default"]["ttft"], med["radix"]["ttft"], ratios["ttft_speedup"],
+         f">= {goals['ttft_speedup']:.0f}x faster"),
+        ("call, 4 new tokens", med["default"]["call4"], med["radix"]["call4"], ratios["call4_speedup"],
+         f">= {goals['call4_speedup']:.0f}x faster"),
+        ("decode step at 4K", decode["default"], decode["radix"], 1 / ratios["decode_ratio"],
+         f"radix/default <= {goals['decode_ratio_max']:.2f}"),
+    ]
+    print(f"{'':22s}{'default ms':>12s}{'radix ms':>12s}{'speedup':>10s}   goal")
+    for name, d, r, s, goal in rows:
+        print(f"{name:22s}{d * 1e3:12.2f}{r * 1e3:12.2f}{s:9.2f}x   {goal}")
+    cold = result["cold_ttft_s"]
+    print(f"cold first call (prefix computed): default {cold['default'] * 1e3:.1f} ms, "
+          f"radix {cold['radix'] * 1e3:.1f} ms; goals met: {result['goals_met']}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="tiny fp32 model on short prompts")
+    parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
+    parser.add_argument("--prefix", type=int, default=None, help="shared prefix tokens (4096; tiny: 256)")
+    parser.add_argument("--question", type=int, default=None, help="question tokens (64; tiny: 16)")
+    parser.add_argument("--questions", type=int, default=None, help="questions per part (20; tiny: 3)")
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "triton"])
+    parser.add_argument("--max-total-tokens", type=int, default=None, help="pool size (default: half free)")
+    parser.add_argument("--json", type=Path, default=None, help="write every number here")
+    parser.add_argument("--profile", action="store_true", help="print where the time goes instead of timing")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="radix decode steps run eagerly")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.prefix = args.prefix or 256
+        args.question = args.question or 16
+        args.questions = args.questions or 3
+        args.max_total_tokens = args.max_total_tokens or 8192
+    args.prefix = args.prefix or 4096
+    args.question = args.question or 64
+    args.questions = args.questions or 20
+    if not torch.cuda.is_available() or args.cpu:
+        torch.set_num_threads(min(torch.get_num_threads(), 4))
+    hf_radix.cache_utils.CUDA_GRAPHS = not args.no_cuda_graph
+    result = run(args)
+    if args.profile:
+        return result
+    print_table(result)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
