@@ -185,11 +185,9 @@ class RadixGenerateCache(RadixCache):
         graphs = self.graphs
         if graphs is None or self.steps == 0 or self._followers or self._embeds is not None:
             return False
-        size = len(self.rows)
-        bucket = graphs.bucket(size)
-        if bucket is None or any(len(t) - c != 1 for t, c in zip(self.tokens, self.computed, strict=True)):
+        if any(len(t) - c != 1 for t, c in zip(self.tokens, self.computed, strict=True)):
             return False
-        return sum(map(len, self.tokens)) + bucket - size <= graphs.max_kv
+        return graphs.fits(len(self.rows), sum(map(len, self.tokens)))
 
     def _graph_decode(self) -> torch.Tensor:
         """One decode step of every row by graph replay; returns `[B, vocab]` logits (a copy)."""

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+MAX_KV_PER_ROW = 16384
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes to capture: powers of two up to 16, then steps of 16."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
@@ -35,7 +38,9 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.max_batch = max_batch
         self.scratch_slot = scratch_slot
-        self.max_kv = max_batch * min(engine.max_context, engine.pool.num_slots)
+        # Rows sharing a prefix list its slots once each, so a batch can index more slots than the pool has;
+        # past this bound a step runs eagerly instead.
+        self.max_kv = max_batch * min(engine.max_context, engine.pool.num_slots, MAX_KV_PER_ROW)
         device = engine.device
         mb = max_batch
         # One device buffer (and one pinned staging twin) per dtype, so each replay needs two copies.
@@ -51,6 +56,11 @@ class DecodeGraphs:
 
     def bucket(self, batch_size: int) -> int | None:
         return next((s for s in self.sizes if s >= batch_size), None)
+
+    def fits(self, batch_size: int, total_kv: int) -> bool:
+        """Whether a decode step of `batch_size` rows reading `total_kv` slots can replay a graph."""
+        bucket = self.bucket(batch_size)
+        return bucket is not None and total_kv + bucket - batch_size <= self.max_kv
 
     def _batch(self, size: int) -> ForwardBatch:
         mb = self.max_batch

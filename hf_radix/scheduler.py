@@ -243,7 +243,8 @@ class Scheduler:
 
     def _forward_decode(self) -> None:
         reqs = list(self.running)
-        if self.decode_graphs is None:
+        graphs = self.decode_graphs
+        if graphs is None or not graphs.fits(len(reqs), sum(r.num_computed + 1 for r in reqs)):
             logits = self._forward([(r, r.num_computed, r.num_computed + 1) for r in reqs])
         else:
             rows = [r.row for r in reqs]
@@ -328,28 +329,29 @@ class RadixBatchRunner:
 
     >>> runner = RadixBatchRunner(model, tokenizer)
     >>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))
+
+    Pool options left at None keep the model's engine (shared with `generate`) as configured, or take the
+    defaults page_size=1, mem_fraction=0.85, attn_backend="auto"; options that differ rebuild an idle engine.
     """
 
     def __init__(
         self,
         model,
         tokenizer=None,
-        page_size: int = 1,
+        page_size: int | None = None,
         max_total_tokens: int | None = None,
-        mem_fraction: float = 0.85,
+        mem_fraction: float | None = None,
         max_running_requests: int = 256,
         chunked_prefill_size: int = 8192,
         schedule_policy: str = "lpm",
-        attn_backend: str = "auto",
+        attn_backend: str | None = None,
         cuda_graph: bool = True,
     ):
-        self.engine = get_engine(
-            model,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            mem_fraction=mem_fraction,
+        options = dict(
+            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
             attn_backend=attn_backend,
         )
+        self.engine = get_engine(model, **{k: v for k, v in options.items() if v is not None})
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()

@@ -422,13 +422,11 @@ def test_prefill_chunk_size_is_honoured(gen):
 class _EagerGraphs:
     """Stands in for DecodeGraphs on the CPU: the same interface, run eagerly (buckets up to 4 rows)."""
 
-    max_kv = 1 << 20
-
     def __init__(self, engine: hf_radix.RadixEngine):
         self.engine, self.runs = engine, 0
 
-    def bucket(self, size: int) -> int | None:
-        return size if size <= 4 else None
+    def fits(self, size: int, total_kv: int) -> bool:
+        return size <= 4
 
     def run(self, row_slots, token_ids, positions) -> torch.Tensor:
         self.runs += 1

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import fresh_model, hf_greedy, random_ids
 
+import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
 
 NEW = 6
@@ -207,3 +208,14 @@ def test_string_prompts_and_stats(tokenizer):
     assert stats.cached_tokens > 0 and 0 < stats.hit_rate < 1
     assert stats.generated_tokens == 12 and stats.wall_time > 0 and stats.tokens_per_s > 0
     runner.check_integrity()
+
+
+def test_default_runner_keeps_the_configured_engine():
+    model = fresh_model("llama")
+    engine = hf_radix.configure(model, max_total_tokens=512, page_size=2, attn_backend="torch")
+    runner = RadixBatchRunner(model)
+    assert runner.engine is engine and engine.manager.num_pages * engine.page_size == 512
+    other = RadixBatchRunner(model, page_size=4)
+    assert other.engine is not engine and other.engine.page_size == 4
+    assert other.engine.options.max_total_tokens == 512  # unspecified options carry over
+    other.check_integrity()
