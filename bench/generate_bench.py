@@ -28,42 +28,17 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import hf_radix  # noqa: E402
-from hf_radix.tiny import tiny_config  # noqa: E402
+from common import build_llama  # noqa: E402
 
-LLAMA_8B = dict(
-    hidden_size=4096,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=14336,
-    vocab_size=128256,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+import hf_radix  # noqa: E402
+
 GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
 
 
 def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, float]:
-    """A random-weight Llama built directly on `device` in `dtype`; returns it and the seconds it took."""
-    config = tiny_config("llama", eos_token_id=None) if tiny else transformers.LlamaConfig(**LLAMA_8B)
-    config._attn_implementation = "sdpa"
+    """The benchmark model built directly on `device`; returns it and the seconds it took."""
     start = time.perf_counter()
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model.eval()
-    model.generation_config.eos_token_id = None  # random weights: always generate max_new_tokens
-    model.generation_config.pad_token_id = 0
+    model = build_llama(tiny, device, dtype)
     sync(device)
     return model, time.perf_counter() - start
 

@@ -19,29 +19,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import build_llama  # noqa: E402
+
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
-from hf_radix.tiny import tiny_model  # noqa: E402
-
-LLAMA_8B = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-)
-
-
-def build_model(tiny: bool, device: str) -> torch.nn.Module:
-    if tiny:
-        return tiny_model("llama").to(device)
-    config = transformers.LlamaConfig(**LLAMA_8B)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    return model.eval()
 
 
 def make_prompts(
@@ -128,7 +109,7 @@ def main() -> None:
             64,
             args.hf_batch,
         )
-    model = build_model(args.tiny, device)
+    model = build_llama(args.tiny, device)
     vocab = model.config.vocab_size
     runner = RadixBatchRunner(
         model,

@@ -25,28 +25,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import build_llama  # noqa: E402
+
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
-from hf_radix.tiny import tiny_model  # noqa: E402
 
-LLAMA_8B = dict(
-    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
-)
 FULL = dict(questions=512, choices=4, prefix_len=1500, question_len=100, choice_len=(5, 20), hf_batch_size=16)
 TINY = dict(questions=24, choices=4, prefix_len=300, question_len=40, choice_len=(2, 6), hf_batch_size=8)
 
 Pair = tuple[list[int], list[int]]
-
-
-def build_model(tiny: bool, device: str) -> torch.nn.Module:
-    """A tiny fp32 Llama (CPU self-check), or the Llama-3.1-8B shape with random bf16 weights on `device`."""
-    if tiny:
-        return tiny_model("llama").to(device)
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA_8B),
-                                                              dtype=torch.bfloat16)
-    return model.eval()
 
 
 def make_workload(questions: int, choices: int, prefix_len: int, question_len: int,
@@ -144,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    model = build_model(args.tiny, device)
+    model = build_llama(args.tiny, device)
     vocab = model.config.vocab_size
     pairs = make_workload(shape["questions"], shape["choices"], shape["prefix_len"], shape["question_len"],
                           shape["choice_len"], vocab, args.seed)
