@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
             "questions_per_part": n,
             "page_size": args.page_size,
             "attn_backend": engine.backend.name,
-            "radix_decode_cuda_graph": hf_radix.cache_utils._decode_graphs(engine) is not None,
+            "radix_decode_cuda_graph": hf_radix.generation._decode_graphs(engine) is not None,
             "default_attention": "sdpa",
             "pool_tokens": engine.pool.num_slots,
             "model_init_s": init_s,
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.questions = args.questions or 20
     if not torch.cuda.is_available() or args.cpu:
         torch.set_num_threads(min(torch.get_num_threads(), 4))
-    hf_radix.cache_utils.CUDA_GRAPHS = not args.no_cuda_graph
+    hf_radix.generation.CUDA_GRAPHS = not args.no_cuda_graph
     result = run(args)
     if args.profile:
         return result

@@ -20,7 +20,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
-from hf_radix import cache_utils
+from hf_radix import generation
 from hf_radix.engine import _ENGINE_ATTR
 from hf_radix.forward_batch import build_forward_batch
 from hf_radix.tiny import tiny_model
@@ -130,7 +130,7 @@ def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
     def refuse(*args, **kwargs):
         raise AssertionError("RadixGenerateCache built for a default generate call")
 
-    monkeypatch.setattr(cache_utils.RadixGenerateCache, "__init__", refuse)
+    monkeypatch.setattr(generation.RadixGenerateCache, "__init__", refuse)
     model = fresh_model("llama")
     prompts = [random_ids(gen, 7), random_ids(gen, 4)]
     _generate(model, prompts, False, max_new_tokens=3)
@@ -439,7 +439,7 @@ def test_decode_steps_go_through_the_graph_runner(monkeypatch, gen):
     model = _model("gemma2", page_size=4)
     engine = hf_radix.get_engine(model)
     graphs = _EagerGraphs(engine)
-    monkeypatch.setattr(cache_utils, "_decode_graphs", lambda engine: graphs)
+    monkeypatch.setattr(generation, "_decode_graphs", lambda engine: graphs)
     prompts = [random_ids(gen, 10), random_ids(gen, 6), random_ids(gen, 13)]
     out = _both(model, prompts, max_new_tokens=6, eos_token_id=None)
     assert graphs.runs == 5 and engine.stats.computed_tokens == 29 + 3 * 5

@@ -1,0 +1,536 @@
+"""`generate(..., cache_implementation="radix")`: the per-call RadixGenerateCache and the call wrapper."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
+from .cuda_graph import DecodeGraphs
+from .forward_batch import ForwardBatch, build_forward_batch
+
+if TYPE_CHECKING:
+    from .engine import RadixEngine
+
+
+OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds`: never matched, never cached
+
+
+class RadixGenerateCache(RadixCache):
+    """The cache `generate(..., cache_implementation="radix")` runs with: one per call.
+
+    During the call the model's `forward` goes through `RadixGenerateCache.forward`: each padded `(B, S)`
+    step of generate becomes a packed batch of only the tokens not yet in the pool (each row reuses its
+    own cached prefix; padding never enters the pool), and the packed logits come back as `(B, 1, vocab)`.
+    Rows with identical prompts are computed once. `finish` inserts prompts and answers into the tree
+    and releases every lock.
+    """
+
+    def __init__(
+        self,
+        engine: RadixEngine,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        prefill_chunk_size: int | None = None,
+        logits_to_keep: bool = True,
+    ):
+        super().__init__(engine)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.max_length = max_length
+        self.prefill_chunk_size = prefill_chunk_size
+        self.supports_logits_to_keep = logits_to_keep
+        self.rows: list[int | None] = []  # page-table row of each batch row; None once released
+        self.tokens: list[list[int]] = []  # real (unpadded) tokens of each batch row
+        self.computed: list[int] = []  # tokens of each row with K/V in the pool
+        self.prompt_lens: list[int] = []
+        self.opaque: list[bool] = []  # prompt given as inputs_embeds: nothing of the row is matched or cached
+        self.seen = 0  # padded length generate has handed us so far
+        self.steps = 0  # generate's forwards done (each is followed by one sampled token per row)
+        self.finished = False
+        self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
+        self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
+        self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
+        self._inner = False  # inside one of our own prefill-chunk forwards
+        self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
+        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA, Triton attention)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    # -- the model's forward during the call ------------------------------------------------------------
+    def forward(self, model: torch.nn.Module, inner: Callable, args: tuple, kwargs: dict):
+        """Generate's model call: runs only the tokens not in the pool yet, returns `(B, 1, vocab)` logits.
+
+        Decode steps replay a captured CUDA graph when one is available; other calls made to the model
+        during the call (a runner's, classifier-free guidance's own pass) run untouched.
+        """
+        if self._inner or "radix_cache" in kwargs:
+            return inner(*args, **kwargs)  # our own prefill chunk, or a runner's forward inside generate
+        if kwargs.get(self.engine.cache_kwarg) is not self:
+            # Not generate's step (e.g. classifier-free guidance's unconditional pass, with its own cache):
+            # it runs with the model's own attention.
+            previous = model.config._attn_implementation
+            model.config._attn_implementation = self.model_attention
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                model.config._attn_implementation = previous
+        self._take_step(model, args, kwargs)
+        if self._graph_ready():
+            logits = self._graph_decode()
+            output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
+        else:
+            self.batch, packed_embeds = self._make_batch(None, logits=True)
+            call = {key: value for key, value in kwargs.items() if key != "cache_position"}
+            call.update(self._model_inputs(self.batch, packed_embeds))
+            call["attention_mask"] = None
+            output = inner(**call)
+            logits = output.logits[0]
+            if not self.supports_logits_to_keep:
+                logits = logits[self.batch.logits_indices]
+            self.engine.record_forward(self.batch.num_tokens)
+            self.batch = None
+        if self._logits_rows is not None:
+            logits = logits[self._logits_rows]
+        output.logits = logits[:, None, :]
+        for b in range(len(self.rows)):
+            if b not in self._followers:
+                self.computed[b] = len(self.tokens[b])
+        if self.steps == 0:
+            self._embeds = None
+            self._share_duplicates()
+        self.steps += 1
+        return output
+
+    def _take_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """Reads the new tokens of generate's padded step (opening the rows on the first one)."""
+        if self.finished:
+            raise RuntimeError("this generate(cache_implementation='radix') call has already finished")
+        if args:
+            raise TypeError("cache_implementation='radix' expects the model called with keyword arguments")
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise ValueError("cache_implementation='radix' cannot return attentions or hidden states")
+        input_ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        step = embeds if embeds is not None else input_ids
+        if step is None:
+            raise ValueError("cache_implementation='radix' needs input_ids or inputs_embeds")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError("cache_implementation='radix' needs a 2D attention_mask (batch, length)")
+        width = step.shape[1]
+        total = mask.shape[1] if mask is not None else self.seen + width
+        fresh = total - self.seen
+        if not 0 < fresh <= width:
+            raise RuntimeError(f"generate passed {width} positions for {fresh} new ones; radix cannot follow")
+        if not self.rows:
+            self._open_rows(input_ids, embeds, mask, fresh)
+        elif embeds is not None:
+            raise ValueError("cache_implementation='radix' takes inputs_embeds for the prompt only")
+        else:
+            for row, ids in enumerate(input_ids[:, width - fresh:].tolist()):
+                self.tokens[row].extend(ids)
+        self.seen = total
+        if self.steps == 0 and self.prefill_chunk_size:
+            self._prefill_in_chunks(model)
+
+    def _graph_ready(self) -> bool:
+        """Whether this step is a plain decode step that a captured graph can run."""
+        graphs = self.graphs
+        if graphs is None or self.steps == 0 or self._followers or self._embeds is not None:
+            return False
+        if any(len(t) - c != 1 for t, c in zip(self.tokens, self.computed, strict=True)):
+            return False
+        return graphs.fits(len(self.rows), sum(map(len, self.tokens)))
+
+    def _graph_decode(self) -> torch.Tensor:
+        """One decode step of every row by graph replay; returns `[B, vocab]` logits (a copy)."""
+        manager = self.engine.manager
+        manager.allocate(self.rows, [len(t) for t in self.tokens])
+        logits = self.graphs.run(
+            [manager.row_slots(row) for row in self.rows],
+            [t[-1] for t in self.tokens],
+            [len(t) - 1 for t in self.tokens],
+        )
+        self.engine.record_forward(len(self.rows))
+        return logits.clone()  # the graph's output buffer is overwritten by the next replay
+
+    # -- per-call bookkeeping --------------------------------------------------------------------------
+    def _open_rows(
+        self,
+        input_ids: torch.Tensor | None,
+        embeds: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        fresh: int,
+    ) -> None:
+        """Matches and locks each row's cached prefix (the first forward of the call)."""
+        step = embeds if embeds is not None else input_ids
+        size, width = step.shape[0], step.shape[1]
+        if mask is None:
+            lens = [fresh] * size
+        else:
+            mask = mask[:, -fresh:].bool()
+            counts = mask.sum(1)
+            left_padded = torch.arange(fresh, device=mask.device)[None, :] >= (fresh - counts)[:, None]
+            if not torch.equal(mask, left_padded):
+                raise ValueError(
+                    "cache_implementation='radix' needs left padding (tokenizer padding_side='left') and no "
+                    "holes in the attention_mask"
+                )
+            lens = counts.tolist()
+        if min(lens) == 0:
+            raise ValueError(f"row {lens.index(0)} of the batch is empty (all padding)")
+        ids = None if embeds is not None else input_ids[:, width - fresh:].tolist()
+        manager = self.engine.manager
+        first_row_of: dict[tuple[int, ...], int] = {}
+        for b, n in enumerate(lens):
+            tokens = [OPAQUE_TOKEN] * n if ids is None else ids[b][fresh - n:]
+            handle = manager.match([] if ids is None else tokens)
+            manager.lock(handle)
+            self.rows.append(manager.open_row(handle))
+            self.tokens.append(tokens)
+            self.computed.append(handle.cached_len)
+            self.prompt_lens.append(n)
+            self.opaque.append(ids is None)
+            leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
+            if leader != b:
+                self._followers[b] = leader
+            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+        if embeds is not None:
+            self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
+        if self._followers:
+            leaders = [b for b in range(size) if b not in self._followers]
+            position = {b: i for i, b in enumerate(leaders)}
+            gather = [position[self._followers.get(b, b)] for b in range(size)]
+            self._logits_rows = torch.tensor(gather, device=self.engine.device)
+        self._check_capacity(width)
+
+    def _check_capacity(self, padded_len: int) -> None:
+        """Fails early, with advice, when the call's worst case cannot fit in the pool."""
+        manager = self.engine.manager
+        ps = manager.page_size
+        if self.max_new_tokens is not None:
+            max_new = self.max_new_tokens
+        else:
+            max_new = (self.max_length or padded_len) - padded_len
+        need = 0
+        for b, row in enumerate(self.rows):
+            n = self.prompt_lens[b]
+            start = n - n % ps if b in self._followers else manager.row_cached_len(row)
+            need += manager.pages_for(start, n + max(max_new, 0)) * ps
+        available = manager.available_size
+        if need > available:
+            raise ValueError(
+                f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
+                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
+                "or lower max_new_tokens or the batch size"
+            )
+
+    def _compute_rows(self) -> list[int]:
+        return [b for b in range(len(self.rows)) if b not in self._followers]
+
+    def _make_batch(
+        self, ends: dict[int, int] | None, logits: bool
+    ) -> tuple[ForwardBatch, torch.Tensor | None]:
+        """Packs rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end)."""
+        if ends is None:
+            ends = {b: len(self.tokens[b]) for b in self._compute_rows()}
+        rows = list(ends)
+        manager = self.engine.manager
+        manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
+        batch = build_forward_batch(
+            [manager.row_slots(self.rows[b]) for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
+            [self.computed[b] for b in rows],
+            None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
+            self.engine.device,
+        )
+        packed = None
+        if self._embeds is not None:
+            packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
+        return batch, packed
+
+    def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
+        inputs = {
+            "input_ids": batch.input_ids[None] if embeds is None else None,
+            "inputs_embeds": embeds,
+            "position_ids": batch.positions[None],
+            "radix_cache": self,
+            self.engine.cache_kwarg: self,
+        }
+        if self.supports_logits_to_keep:
+            inputs["logits_to_keep"] = batch.logits_indices
+        return inputs
+
+    def _prefill_in_chunks(self, module: torch.nn.Module) -> None:
+        """Computes the prompts in forwards of <= `prefill_chunk_size` tokens; generate's own is the last."""
+        budget = self.prefill_chunk_size
+        rows = self._compute_rows()
+        while sum(len(self.tokens[b]) - self.computed[b] for b in rows) > budget:
+            ends, left = {}, budget
+            for b in rows:
+                take = min(len(self.tokens[b]) - self.computed[b] - 1, left)  # each row's last token stays
+                if take > 0:
+                    ends[b] = self.computed[b] + take
+                    left -= take
+                if left == 0:
+                    break
+            if not ends:
+                return
+            batch, embeds = self._make_batch(ends, logits=False)
+            self.batch, self._inner = batch, True
+            try:
+                module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
+            finally:
+                self.batch, self._inner = None, False
+            self.engine.record_forward(batch.num_tokens)
+            for b, end in ends.items():
+                self.computed[b] = end
+
+    def _share_duplicates(self) -> None:
+        """After the first step: rows with a duplicated prompt reuse the K/V their first copy computed."""
+        if not self._followers:
+            return
+        manager = self.engine.manager
+        for leader in set(self._followers.values()):
+            manager.cache_req(self.rows[leader], self.tokens[leader], self.computed[leader], finished=False)
+        for b, leader in self._followers.items():
+            # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
+            tokens, row = self.tokens[b], self.rows[b]
+            self.rows[b] = None
+            manager.release_row(row, tokens, self.computed[b])
+            handle = manager.match([*tokens, 0])
+            manager.lock(handle)
+            self.rows[b] = manager.open_row(handle)
+            self.computed[b] = handle.cached_len
+            manager.allocate([self.rows[b]], [len(tokens)])
+            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)]
+            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)]
+            self.engine.pool.copy_slots(src, dst)
+            self.computed[b] = len(tokens)
+            manager.cache_req(self.rows[b], tokens, len(tokens), finished=False)
+        self._followers.clear()
+        self._logits_rows = None
+
+    def finish(self, sequences: torch.Tensor | None = None) -> None:
+        """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
+
+        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw.
+        """
+        if self.finished:
+            return
+        self.finished = True
+        last = None
+        size = len(self.rows)
+        if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
+            last = sequences[:, -1].tolist()
+        manager = self.engine.manager
+        generated = 0
+        with manager.lazy_free_region():
+            for b, row in enumerate(self.rows):
+                tokens = self.tokens[b] if last is None else [*self.tokens[b], last[b]]
+                keep = len(tokens)
+                if self.eos_token_ids:
+                    eos = (i + 1 for i in range(self.prompt_lens[b], keep) if tokens[i] in self.eos_token_ids)
+                    keep = next(eos, keep)
+                generated += keep - self.prompt_lens[b]
+                if row is not None:
+                    self.rows[b] = None
+                    manager.release_row(row, tokens, 0 if self.opaque[b] else min(self.computed[b], keep))
+        self.engine.stats.generated_tokens += generated
+
+
+_SUPPORTED_MODES = ("greedy_search", "sample")
+_TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
+CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps where possible
+CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> DecodeGraphs
+_active_engines: set[int] = set()  # engines with a radix generate call in progress
+_active_lock = threading.Lock()
+
+
+def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | None:
+    if "cache_implementation" in kwargs:
+        return kwargs["cache_implementation"]
+    config = args[1] if len(args) > 1 else kwargs.get("generation_config")
+    value = getattr(config, "cache_implementation", None)  # a config object's None defers to the model's
+    return value if value is not None else getattr(model.generation_config, "cache_implementation", None)
+
+
+def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
+    """`generate`'s positional arguments (after `self`) turned into keywords."""
+    if not args:
+        return dict(kwargs)
+    params = list(inspect.signature(original).parameters.values())[1:]
+    names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if len(args) > len(names):
+        raise TypeError(f"generate() takes at most {len(names)} positional arguments, got {len(args)}")
+    out = dict(kwargs)
+    for name, value in zip(names, args, strict=False):
+        if name in out:
+            raise TypeError(f"generate() got multiple values for argument {name!r}")
+        out[name] = value
+    return out
+
+
+def _effective_config(model, kwargs: dict):
+    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords."""
+    rest = {key: value for key, value in kwargs.items() if key != "generation_config"}
+    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    return config
+
+
+def _check_supported(model, config, kwargs: dict) -> None:
+    """Raises a ValueError naming the alternative for everything the radix path cannot do."""
+    if model.config.is_encoder_decoder:
+        raise ValueError("cache_implementation='radix' supports decoder-only models")
+    mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
+    if mode not in _SUPPORTED_MODES:
+        if mode is not None and "beam" in mode:
+            raise ValueError(
+                "cache_implementation='radix' does not support beam search (num_beams > 1); use num_beams=1 "
+                "(greedy, or do_sample=True with num_return_sequences for several answers), or drop "
+                "cache_implementation='radix' to run beam search on the default cache"
+            )
+        if mode == "assisted_generation":
+            raise ValueError(
+                "cache_implementation='radix' does not support assisted decoding (assistant_model, "
+                "prompt_lookup_num_tokens, assistant_early_exit); drop those arguments, or drop "
+                "cache_implementation='radix' to run assisted decoding on the default cache"
+            )
+        raise ValueError(
+            f"cache_implementation='radix' supports greedy decoding and sampling, not {mode!r}; use those, "
+            "or drop cache_implementation='radix' to use the default cache"
+        )
+    if config.use_cache is False:
+        raise ValueError(
+            "cache_implementation='radix' is a KV cache and needs use_cache=True; drop use_cache=False, or "
+            "drop cache_implementation='radix' to generate without a cache"
+        )
+    if config.output_attentions or config.output_hidden_states:
+        raise ValueError(
+            "cache_implementation='radix' cannot return attentions or hidden states (its attention computes "
+            "neither); drop output_attentions / output_hidden_states, or use the default cache"
+        )
+    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
+        raise ValueError(
+            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
+            "cached prefix is reused automatically) and no past_key_values"
+        )
+
+
+def _eos_ids(eos) -> list[int]:
+    if eos is None:
+        return []
+    if isinstance(eos, torch.Tensor):
+        return [int(e) for e in eos.reshape(-1).tolist()]
+    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+
+
+def _sequences(result) -> torch.Tensor | None:
+    if isinstance(result, torch.Tensor):
+        return result
+    return getattr(result, "sequences", None)
+
+
+def _decode_graphs(engine: RadixEngine) -> DecodeGraphs | None:
+    """The engine's captured decode graphs for generate (CUDA with Triton attention), made on first use."""
+    if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
+        return None
+    graphs = _graphs.get(engine)
+    if graphs is None:
+        graphs = _graphs[engine] = DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH, engine.scratch_slot)
+    return graphs
+
+
+def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callable[[], None]:
+    """Sends the model's forward through `cache.forward` (signature kept); returns the undo."""
+    own = vars(model)
+    had, previous = "forward" in own, own.get("forward")
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        return cache.forward(model, inner, args, kwargs)
+
+    model.forward = forward
+
+    def restore() -> None:
+        if had:
+            model.forward = previous
+        else:
+            own.pop("forward", None)
+
+    return restore
+
+
+def _radix_generate(original, model, kwargs: dict):
+    """Runs `original` generate with a RadixGenerateCache routing the model's forward; always cleans up."""
+    from .engine import get_engine, radix_attention
+
+    config = _effective_config(model, kwargs)
+    _check_supported(model, config, kwargs)
+    engine = get_engine(model)
+    cache = RadixGenerateCache(
+        engine,
+        _eos_ids(config.eos_token_id),
+        max_new_tokens=config.max_new_tokens,
+        max_length=config.max_length,
+        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
+    )
+    # generate must not see what the radix path takes over: not in keywords, not in a config object (a
+    # copy; the user's stays untouched), not in the model's defaults (restored when the call ends).
+    call = {key: value for key, value in kwargs.items() if key not in _TAKEN_OVER}
+    if call.get("generation_config") is not None:
+        call["generation_config"] = copy.deepcopy(call["generation_config"])
+        for name in _TAKEN_OVER:
+            setattr(call["generation_config"], name, None)
+    call[engine.cache_kwarg] = cache
+    cache.model_attention = model.config._attn_implementation
+    cache.graphs = _decode_graphs(engine)
+    with _active_lock:
+        if id(engine) in _active_engines:
+            raise RuntimeError(
+                "another generate(cache_implementation='radix') is running on this model; run the calls one "
+                "after another or pass the prompts as one batch"
+            )
+        _active_engines.add(id(engine))
+    defaults = model.generation_config
+    saved = {name: getattr(defaults, name) for name in _TAKEN_OVER if hasattr(defaults, name)}
+    result = None
+    try:
+        for name in saved:
+            setattr(defaults, name, None)
+        restore_forward = _route_forward(model, cache)
+        try:
+            with radix_attention(model):
+                result = original(model, **call)
+        finally:
+            restore_forward()
+            cache.finish(_sequences(result))
+    finally:
+        for name, value in saved.items():
+            setattr(defaults, name, value)
+        with _active_lock:
+            _active_engines.discard(id(engine))
+    return result
+
+
+def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
+    """Runs `original` generate; through the radix path when the call asks for the "radix" cache."""
+    if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
+        return original(model, *args, **kwargs)
+    return _radix_generate(original, model, _as_keywords(original, args, kwargs))
