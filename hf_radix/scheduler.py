@@ -106,6 +106,7 @@ class Scheduler:
                 else:
                     req = self.pending.popleft()
                     self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
+                    bar.update(1)
         except BaseException:
             for req in [*self.prefilling, *self.running]:
                 self._release(req, "abort", None)
@@ -115,6 +116,9 @@ class Scheduler:
             raise
         finally:
             bar.close()
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            logger.warning("%d of %d requests failed; first: %s", len(failed), len(reqs), failed[0].error)
 
     # -- admission -----------------------------------------------------------------------------------
     def _admissible(self, req: Req) -> bool:
@@ -311,7 +315,7 @@ class Scheduler:
     @staticmethod
     def _fail(req: Req, message: str) -> bool:
         req.finish_reason, req.error = "error", message
-        logger.warning("request %d failed: %s", req.index, message)
+        logger.debug("request %d failed: %s", req.index, message)
         return False
 
 
