@@ -563,7 +563,8 @@ def test_pool_too_small_fails_early_with_advice(gen):
 def test_generation_beyond_max_position_embeddings_matches_default(gen):
     """The engine's context limit is the pool, not max_position_embeddings: same as the default cache."""
     model = _model("llama", max_position_embeddings=24)
-    _both(model, [random_ids(gen, 20), random_ids(gen, 13)], max_new_tokens=10)
+    out = _both(model, [random_ids(gen, 20), random_ids(gen, 13)], max_new_tokens=10)  # asserts equality
+    assert out.shape[1] > 24  # the call did go past max_position_embeddings
     _clean(model)
 
 

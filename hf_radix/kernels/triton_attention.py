@@ -58,6 +58,26 @@ def _scores(q, kt, qk_scale, cap_scale, SOFTCAP: tl.constexpr, DOT_PREC: tl.cons
 
 
 @triton.jit
+def _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Loads a K and a V tile; rows outside ``n_mask`` (if MASKED) and columns outside ``d_mask`` read 0."""
+    if MASKED:
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
 def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
     """One online-softmax step; ``s`` holds log2-domain scores (-inf where masked)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -91,20 +111,7 @@ def _extend_prefix_loop(
             slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
         k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
         v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
-        if MASKED:
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :]
@@ -130,20 +137,7 @@ def _extend_new_loop(
         k_ptrs = K_new + tok[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :]
         v_ptrs = V_new + tok[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :]
         n_mask = rel < new_len
-        if MASKED:
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :] & (rel[None, :] <= q_rel[:, None])
@@ -266,20 +260,7 @@ def _decode_loop(
             slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
         k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
         v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
-        if MASKED:
-            if EVEN_D:
-                k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-        else:
-            if EVEN_D:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-            else:
-                k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-                v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
