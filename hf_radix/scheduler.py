@@ -155,6 +155,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
         """Picks prefill chunks under the token budget, keeping room for what running requests will decode."""
+        if not self.pending and not self.prefilling:
+            return []
         budget = self.chunked_prefill_size
         reserved = self._reserved_tokens([*self.running, *self.prefilling])
         items: list[tuple[Req, int, int]] = []
