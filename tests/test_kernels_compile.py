@@ -1,0 +1,56 @@
+"""The Triton kernels compile for the H200 (sm_90) on a machine without a GPU.
+
+The interpreter tests check what the kernels compute; this checks that the compiler accepts them, so a
+change that only the GPU build would reject fails in CI.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+compiler = pytest.importorskip("triton.compiler")
+backends = pytest.importorskip("triton.backends.compiler")
+
+from hf_radix.kernels import triton_attention as kernels  # noqa: E402
+
+SM90 = backends.GPUTarget("cuda", 90, 32)
+
+
+def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+    signature = {
+        name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names
+    }
+    source = compiler.ASTSource(fn, signature, constexprs=constexprs)
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+@pytest.mark.parametrize("window,softcap,head_dim", [(False, False, 128), (True, True, 96)])
+def test_extend_kernel_compiles_for_sm90(window: bool, softcap: bool, head_dim: int):
+    pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
+    pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
+    pointers.update(prefix_kv_indices="*i64", qk_scale="fp32", cap_scale="fp32")
+    constexprs = dict(
+        GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window,
+        SOFTCAP=softcap, DOT_PREC="tf32",
+    )
+    kernel = _compile(kernels._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
+    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_decode_kernels_compile_for_sm90(direct: bool):
+    pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
+    pointers.update(kv_indices="*i64", kv_indptr="*i32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
+                    cap_scale="fp32")
+    constexprs = dict(
+        GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, USE_WINDOW=False,
+        SOFTCAP=False, DIRECT=direct, DOT_PREC="tf32",
+    )
+    stage1 = _compile(kernels._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+    assert stage1.asm["cubin"]
+    reduce = _compile(
+        kernels._decode_stage2_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4, num_stages=1,
+    )
+    assert reduce.asm["cubin"]
