@@ -78,6 +78,19 @@ def _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.co
 
 
 @triton.jit
+def _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch, stride_vct,
+                   stride_vch, offs_d, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Loads the K and V tiles of context positions ``pos`` through the slot array (the page table)."""
+    if MASKED:
+        slots = tl.load(kv_idx_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+    else:
+        slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
+    k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
+    v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
+    return _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+
+
+@triton.jit
 def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
     """One online-softmax step; ``s`` holds log2-domain scores (-inf where masked)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,13 +118,8 @@ def _extend_prefix_loop(
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_mask = pos < prefix_len
-        if MASKED:
-            slots = tl.load(kv_idx_ptr + pos, mask=n_mask, other=0).to(tl.int64)
-        else:
-            slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
-        k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
-        v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
-        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
+                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :]
@@ -254,13 +262,8 @@ def _decode_loop(
     for start_n in range(lo, hi, BLOCK_N):
         pos = start_n + offs_n
         n_mask = pos < hi
-        if MASKED:
-            slots = tl.load(kv_idx_ptr + pos, mask=n_mask, other=0).to(tl.int64)
-        else:
-            slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
-        k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
-        v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
-        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
+                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
