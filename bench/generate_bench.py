@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
+from hf_radix import generation  # noqa: E402
 
 GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_ratio": decode["radix"] / decode["default"],
     }
     stats = hf_radix.cache_stats(model)
+    graphs = generation._engine_graphs(engine)
     return {
         "config": {
             "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shape (random weights)",
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
             "questions_per_part": n,
             "page_size": args.page_size,
             "attn_backend": engine.backend.name,
-            "radix_decode_cuda_graph": hf_radix.generation._decode_graphs(engine) is not None,
+            "radix_cuda_graphs": graphs is not None,
             "default_attention": "sdpa",
             "pool_tokens": engine.pool.num_slots,
             "model_init_s": init_s,
@@ -154,6 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         "call4_greedy_agreement": agree / n,
         "radix_tokens_computed_in_measured_calls": engine.stats.computed_tokens - computed_before,
         "cache_stats": stats,
+        "graph_replays": graphs and {"decode": graphs[0].replays, "extend": graphs[1].replays},
         "raw_s": times,
     }
 
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-total-tokens", type=int, default=None, help="pool size (default: half free)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--profile", action="store_true", help="print where the time goes instead of timing")
-    parser.add_argument("--no-cuda-graph", action="store_true", help="radix decode steps run eagerly")
+    parser.add_argument("--no-cuda-graph", action="store_true", help="radix forwards run eagerly")
     args = parser.parse_args(argv)
     if args.tiny:
         args.prefix = args.prefix or 256
@@ -231,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.questions = args.questions or 20
     if not torch.cuda.is_available() or args.cpu:
         torch.set_num_threads(min(torch.get_num_threads(), 4))
-    hf_radix.generation.CUDA_GRAPHS = not args.no_cuda_graph
+    generation.CUDA_GRAPHS = not args.no_cuda_graph
     result = run(args)
     if args.profile:
         return result

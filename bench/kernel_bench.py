@@ -207,8 +207,9 @@ EXTEND_SWEEP = {
 }
 
 
-def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: int = 128) -> dict[str, Any]:
-    rows, cached, new, hkv = 8, 2048, 256, 8
+def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: int = 128, rows: int = 8,
+                cached: int = 2048, new: int = 256) -> dict[str, Any]:
+    hkv = 8
     hq = 32 if d <= 128 else 16
     dev, dtype = "cuda", torch.bfloat16
     total = cached + new
@@ -295,7 +296,7 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: in
         "sweep": sweep_res,
     }
     print(
-        f"extend p{page_size:<2} d{d}: triton {ms_triton * 1e3:7.1f} us "
+        f"extend {rows}x({cached}+{new}) p{page_size:<2} d{d}: triton {ms_triton * 1e3:7.1f} us "
         f"({res['tflops_triton']:.0f} TFLOP/s)  "
         f"sdpa+gather {ms_sdpa_gather * 1e3:7.1f} us  sdpa {ms_sdpa * 1e3:7.1f} us  err {err:.1e}",
         flush=True,
@@ -311,6 +312,8 @@ def bench_extend(quick: bool) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
     if not quick:  # Gemma-2-like heads (16 q / 8 kv, head_dim 256)
         results.append(_extend_one(16, gen, sweep=True, d=256))
+    # generate's time-to-first-token shape: one question after a cached few-shot prefix
+    results.append(_extend_one(1, gen, sweep=True, rows=1, cached=4096, new=64))
     return results
 
 
@@ -483,7 +486,7 @@ def main() -> None:
             print(f"{'decode d256 B64x4096 p16 splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
                   f"{r['frac_peak']:.0%} of 4.3 TB/s")
     for r in results.get("extend", []):
-        label = f"extend 8x(2048+256) d{r['head_dim']} p{r['page_size']} triton"
+        label = f"extend {r['rows']}x({r['cached']}+{r['new']}) d{r['head_dim']} p{r['page_size']} triton"
         print(f"{label:<44} {r['ms_triton'] * 1e3:>10.1f}  {r['tflops_triton']:.0f} TFLOP/s")
         print(
             f"{'  sdpa (gather included)':<44} {r['ms_sdpa_with_gather'] * 1e3:>10.1f}  "

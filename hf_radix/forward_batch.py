@@ -64,6 +64,70 @@ def _to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.devic
     return list(packed.split([len(a) for a in arrays]))
 
 
+@dataclass
+class HostBatch:
+    """The host (numpy) metadata of a packed batch, before it goes to the device; fields as ForwardBatch."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    out_loc: np.ndarray
+    kv_indices: np.ndarray
+    prefix_kv_indices: np.ndarray
+    logits_indices: np.ndarray
+    qo_indptr: np.ndarray
+    prefix_lens: np.ndarray
+    seq_lens: np.ndarray
+    kv_indptr: np.ndarray
+    prefix_kv_indptr: np.ndarray
+
+    @property
+    def max_new_len(self) -> int:
+        return int(np.diff(self.qo_indptr).max(initial=0))
+
+
+def pack_batch(
+    row_slots: Sequence[np.ndarray],
+    new_token_ids: Sequence[np.ndarray],
+    prefix_lens: Sequence[int],
+    logits_offsets: Sequence[np.ndarray] | None,
+    *,
+    whole_context: bool = True,
+    prefix_context: bool = True,
+) -> HostBatch:
+    """Packs B rows on the host.
+
+    Row i has context slots `row_slots[i]` (at least `prefix_lens[i] + len(new_token_ids[i])` long) and
+    computes its new tokens at positions starting at `prefix_lens[i]`. `logits_offsets[i]` selects the
+    new-token offsets whose logits are wanted (default: the last new token of each row). The slot lists
+    of whole contexts and of cached prefixes can be skipped (left empty) when no kernel will read them.
+    """
+    prefix = np.asarray(prefix_lens, dtype=np.int64)
+    new_lens = np.fromiter((len(t) for t in new_token_ids), dtype=np.int64, count=len(new_token_ids))
+    seq = prefix + new_lens
+    qo_indptr = _indptr(new_lens)
+    positions = np.arange(qo_indptr[-1], dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new_lens)
+    if logits_offsets is None:
+        logits = qo_indptr[1:] - 1
+    else:
+        logits = _concat(
+            [np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)]
+        )
+    empty = _concat([])
+    return HostBatch(
+        input_ids=_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]),
+        positions=positions,
+        out_loc=_concat([slots[p:n] for slots, p, n in zip(row_slots, prefix, seq)]),
+        kv_indices=_concat([s[:n] for s, n in zip(row_slots, seq)]) if whole_context else empty,
+        prefix_kv_indices=_concat([s[:n] for s, n in zip(row_slots, prefix)]) if prefix_context else empty,
+        logits_indices=logits,
+        qo_indptr=qo_indptr,
+        prefix_lens=prefix,
+        seq_lens=seq,
+        kv_indptr=_indptr(seq),
+        prefix_kv_indptr=_indptr(prefix),
+    )
+
+
 def build_forward_batch(
     row_slots: Sequence[np.ndarray],
     new_token_ids: Sequence[np.ndarray],
@@ -71,40 +135,23 @@ def build_forward_batch(
     logits_offsets: Sequence[np.ndarray] | None,
     device: torch.device,
 ) -> ForwardBatch:
-    """Packs B rows into one batch.
+    """Packs B rows into one batch on `device` (arguments as in `pack_batch`)."""
+    return upload_batch(pack_batch(row_slots, new_token_ids, prefix_lens, logits_offsets), device)
 
-    Row i has context slots `row_slots[i]` (at least `prefix_lens[i] + len(new_token_ids[i])` long) and
-    computes its new tokens at positions starting at `prefix_lens[i]`. `logits_offsets[i]` selects the
-    new-token offsets whose logits are wanted (default: the last new token of each row).
-    """
-    prefix = np.asarray(prefix_lens, dtype=np.int64)
-    new_lens = np.fromiter((len(t) for t in new_token_ids), dtype=np.int64, count=len(new_token_ids))
-    seq = prefix + new_lens
-    qo_indptr = _indptr(new_lens)
-    positions = np.arange(qo_indptr[-1], dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new_lens)
-    kv = [slots[:n] for slots, n in zip(row_slots, seq)]
-    prefix_kv = [slots[:n] for slots, n in zip(row_slots, prefix)]
-    out_loc = [slots[p:n] for slots, p, n in zip(row_slots, prefix, seq)]
-    if logits_offsets is None:
-        logits = qo_indptr[1:] - 1
-    else:
-        logits = _concat(
-            [np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)]
-        )
 
+def upload_batch(host: HostBatch, device: torch.device) -> ForwardBatch:
+    """Copies host metadata to `device` (one transfer per index dtype)."""
     wide = _to_device(
-        [
-            _concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]),
-            positions,
-            _concat(out_loc),
-            _concat(kv),
-            _concat(prefix_kv),
-            logits,
-        ],
+        [host.input_ids, host.positions, host.out_loc, host.kv_indices, host.prefix_kv_indices,
+         host.logits_indices],
         torch.int64,
         device,
     )
-    narrow = _to_device([qo_indptr, prefix, seq, _indptr(seq), _indptr(prefix)], torch.int32, device)
+    narrow = _to_device(
+        [host.qo_indptr, host.prefix_lens, host.seq_lens, host.kv_indptr, host.prefix_kv_indptr],
+        torch.int32,
+        device,
+    )
     return ForwardBatch(
         input_ids=wide[0],
         positions=wide[1],
@@ -117,8 +164,8 @@ def build_forward_batch(
         prefix_kv_indices=wide[4],
         prefix_kv_indptr=narrow[4],
         logits_indices=wide[5],
-        qo_indptr_host=qo_indptr,
-        seq_lens_host=seq,
-        max_new_len=int(new_lens.max(initial=0)),
-        max_kv_len=int(seq.max(initial=0)),
+        qo_indptr_host=host.qo_indptr,
+        seq_lens_host=host.seq_lens,
+        max_new_len=host.max_new_len,
+        max_kv_len=int(host.seq_lens.max(initial=0)),
     )

@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, ExtendGraphs
 from .forward_batch import ForwardBatch, build_forward_batch
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class RadixGenerateCache(RadixCache):
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
-        self.graphs: DecodeGraphs | None = None  # captured decode graphs (CUDA, Triton attention)
+        self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -88,8 +88,8 @@ class RadixGenerateCache(RadixCache):
             finally:
                 model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
-        if self._graph_ready():
-            logits = self._graph_decode()
+        logits = self._graph_logits()
+        if logits is not None:
             output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         else:
             self.batch, packed_embeds = self._make_batch(None, logits=True)
@@ -145,25 +145,32 @@ class RadixGenerateCache(RadixCache):
         if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(model)
 
-    def _graph_ready(self) -> bool:
-        """Whether this step is a plain decode step that a captured graph can run."""
-        graphs = self.graphs
-        if graphs is None or self.steps == 0 or self._followers or self._embeds is not None:
-            return False
-        if any(len(t) - c != 1 for t, c in zip(self.tokens, self.computed, strict=True)):
-            return False
-        return graphs.fits(len(self.rows), sum(map(len, self.tokens)))
-
-    def _graph_decode(self) -> torch.Tensor:
-        """One decode step of every row by graph replay; returns `[B, vocab]` logits (a copy)."""
+    def _graph_logits(self) -> torch.Tensor | None:
+        """This step's packed logits from a captured graph (a decode step or a short extend); None: eager."""
+        if self.graphs is None or self._embeds is not None:
+            return None
+        decode, extend = self.graphs
+        rows = self._compute_rows()
+        new = [len(self.tokens[b]) - self.computed[b] for b in rows]
+        ends = [len(self.tokens[b]) for b in rows]
         manager = self.engine.manager
-        manager.allocate(self.rows, [len(t) for t in self.tokens])
-        logits = self.graphs.run(
-            [manager.row_slots(row) for row in self.rows],
-            [t[-1] for t in self.tokens],
-            [len(t) - 1 for t in self.tokens],
-        )
-        self.engine.record_forward(len(self.rows))
+        if max(new) == 1 and decode.fits(len(rows), sum(ends)):
+            manager.allocate([self.rows[b] for b in rows], ends)
+            logits = decode.run(
+                [manager.row_slots(self.rows[b]) for b in rows],
+                [self.tokens[b][-1] for b in rows],
+                [end - 1 for end in ends],
+            )
+        elif extend.fits(len(rows), sum(new), sum(self.computed[b] for b in rows)):
+            manager.allocate([self.rows[b] for b in rows], ends)
+            logits = extend.run(
+                [manager.row_slots(self.rows[b]) for b in rows],
+                [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
+                [self.computed[b] for b in rows],
+            )
+        else:
+            return None
+        self.engine.record_forward(sum(new))
         return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
@@ -354,9 +361,9 @@ class RadixGenerateCache(RadixCache):
 
 _SUPPORTED_MODES = ("greedy_search", "sample")
 _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps where possible
+CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps and short prefills
 CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
-_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> DecodeGraphs
+_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its captured graphs
 _active_engines: set[int] = set()  # engines with a radix generate call in progress
 _active_lock = threading.Lock()
 
@@ -445,13 +452,13 @@ def _sequences(result) -> torch.Tensor | None:
     return getattr(result, "sequences", None)
 
 
-def _decode_graphs(engine: RadixEngine) -> DecodeGraphs | None:
-    """The engine's captured decode graphs for generate (CUDA with Triton attention), made on first use."""
+def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
+    """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
     if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
         return None
     graphs = _graphs.get(engine)
     if graphs is None:
-        graphs = _graphs[engine] = DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH, engine.scratch_slot)
+        graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), ExtendGraphs(engine))
     return graphs
 
 
@@ -500,7 +507,7 @@ def _radix_generate(original, model, kwargs: dict):
             setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
     cache.model_attention = model.config._attn_implementation
-    cache.graphs = _decode_graphs(engine)
+    cache.graphs = _engine_graphs(engine)
     with _active_lock:
         if id(engine) in _active_engines:
             raise RuntimeError(

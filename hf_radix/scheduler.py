@@ -81,7 +81,7 @@ class Scheduler:
         self.seeded = SeededRows(engine.device)
         self.decode_graphs = None
         if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
-            self.decode_graphs = DecodeGraphs(engine, max_running_requests, engine.scratch_slot)
+            self.decode_graphs = DecodeGraphs(engine, max_running_requests)
         self.pending: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -21,8 +20,8 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
 from hf_radix import generation
+from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.engine import _ENGINE_ATTR
-from hf_radix.forward_batch import build_forward_batch
 from hf_radix.tiny import tiny_model
 
 PAD = 0
@@ -419,34 +418,28 @@ def test_prefill_chunk_size_is_honoured(gen):
     _clean(model)
 
 
-class _EagerGraphs:
-    """Stands in for DecodeGraphs on the CPU: the same interface, run eagerly (buckets up to 4 rows)."""
-
-    def __init__(self, engine: hf_radix.RadixEngine):
-        self.engine, self.runs = engine, 0
-
-    def fits(self, size: int, total_kv: int) -> bool:
-        return size <= 4
-
-    def run(self, row_slots, token_ids, positions) -> torch.Tensor:
-        self.runs += 1
-        ids = [np.array([t]) for t in token_ids]
-        return self.engine.run_model(build_forward_batch(row_slots, ids, positions, None, self.engine.device))
-
-
-def test_decode_steps_go_through_the_graph_runner(monkeypatch, gen):
-    """Decode steps use the captured-graph interface (prefill, duplicates and big batches stay eager)."""
-    model = _model("gemma2", page_size=4)
+def test_decode_steps_and_short_prefills_go_through_the_graph_runners(monkeypatch, gen):
+    """Decode steps and short prefills run as the padded batches a CUDA graph replays (eagerly on the CPU)."""
+    model = _model("gemma2", page_size=4)  # sliding window and soft-capping too
     engine = hf_radix.get_engine(model)
-    graphs = _EagerGraphs(engine)
-    monkeypatch.setattr(generation, "_decode_graphs", lambda engine: graphs)
-    prompts = [random_ids(gen, 10), random_ids(gen, 6), random_ids(gen, 13)]
-    out = _both(model, prompts, max_new_tokens=6, eos_token_id=None)
-    assert graphs.runs == 5 and engine.stats.computed_tokens == 29 + 3 * 5
-    out = _both(model, prompts[:2], seed=2, max_new_tokens=4, do_sample=True, num_return_sequences=2, top_k=0)
-    assert graphs.runs == 5 + 3 and out.shape[0] == 4
-    _both(model, [random_ids(gen, 5) for _ in range(5)], max_new_tokens=3)  # 5 rows: no bucket, eager
-    assert graphs.runs == 8
+    decode, extend = DecodeGraphs(engine, max_batch=4), ExtendGraphs(engine, max_rows=4, max_tokens=32)
+    assert not decode.capture and extend.token_sizes == [16, 32] and extend.row_sizes == [1, 2, 4]
+    monkeypatch.setattr(generation, "_engine_graphs", lambda engine: (decode, extend))
+    shared = random_ids(gen, 12)
+    prompts = [shared + random_ids(gen, 3), random_ids(gen, 3), shared + random_ids(gen, 1)]
+    _both(model, prompts, max_new_tokens=6, eos_token_id=None)
+    # 3 rows, 31 tokens: one extend (padded to 4 rows, 32 tokens); 5 decode steps (padded to 4 rows)
+    assert (extend.replays, decode.replays) == (1, 5)
+    assert engine.stats.computed_tokens == 31 + 3 * 5
+    # Cached prefixes: each row extends its own (ragged) prefix; duplicated rows are computed once.
+    again = [shared + random_ids(gen, 5), shared + random_ids(gen, 2)]
+    out = _both(model, again, seed=2, max_new_tokens=4, do_sample=True, num_return_sequences=2, top_k=0)
+    assert out.shape[0] == 4 and (extend.replays, decode.replays) == (2, 5 + 3)
+    assert engine.stats.computed_tokens == 31 + 3 * 5 + (5 + 2) + 3 * 4  # the 12 shared tokens were cached
+    # Past the captured shapes: prefill of 40 tokens and a 5-row batch run eagerly.
+    _both(model, [random_ids(gen, 40)], max_new_tokens=2)
+    _both(model, [random_ids(gen, 5) for _ in range(5)], max_new_tokens=3)
+    assert (extend.replays, decode.replays) == (2, 5 + 3 + 1)
     _clean(model)
 
 

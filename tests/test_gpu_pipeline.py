@@ -7,7 +7,7 @@ import torch
 from conftest import random_ids
 
 import hf_radix
-from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix import RadixBatchRunner, SamplingParams, generation
 from hf_radix.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -74,4 +74,37 @@ def test_generate_radix_matches_default_on_gpu():
         )
         assert torch.equal(out, ref)
     assert hf_radix.cache_stats(model)["cached_tokens"] > 0
-    hf_radix.get_engine(model).check_integrity()
+    engine = hf_radix.get_engine(model)
+    engine.check_integrity()
+    decode, extend = generation._engine_graphs(engine)
+    assert extend.replays == 1 and decode.replays == 2 * 7 + 1  # the second call's prompts were cached
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_generate_short_prefills_after_a_cached_prefix_replay_graphs(page_size: int):
+    """The time-to-first-token path: questions after a cached few-shot prefix, one call after another."""
+    model = tiny_model("qwen2").cuda()  # sliding-window layers too
+    engine = hf_radix.configure(model, max_total_tokens=8192, attn_backend="triton", page_size=page_size)
+    gen = torch.Generator().manual_seed(2)
+    prefix = random_ids(gen, 300)
+    questions = [random_ids(gen, n) for n in (20, 64, 7, 200)]
+    answers = []
+    for question in questions:
+        prompt = prefix + question
+        answers.append(_hf_greedy_radix(model, prompt, 4))
+        assert answers[-1] == _hf_greedy(model, prompt, 4)
+    decode, extend = generation._engine_graphs(engine)
+    assert extend.replays == len(questions) - 1  # the first call computed the prefix eagerly
+    assert decode.replays == sum(len(a) - 1 for a in answers)
+    assert engine.stats.cached_tokens >= (len(questions) - 1) * (300 - page_size)
+    engine.check_integrity()
+
+
+def _hf_greedy_radix(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False, pad_token_id=0,
+            cache_implementation="radix",
+        )
+    return out[0, len(prompt) :].tolist()
