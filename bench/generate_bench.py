@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: list[list[int]]) -> dict:
-    """Where the time of one TTFT call and one 17-token call goes: Python (cProfile) and kernels."""
+    """Where the time of TTFT calls and short generations goes: Python (cProfile) and GPU kernels."""
     import cProfile
     import io
     import pstats
@@ -179,11 +179,12 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
             pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(18)
             print(f"\n===== {name}, max_new_tokens={new}: Python, by own time =====")
             print("\n".join(out.getvalue().splitlines()[:40]))
-        with torch.profiler.profile() as prof:
-            call(q_a[1], 9, radix)
-            sync(device)
-        print(f"\n===== {name}, max_new_tokens=9: torch ops =====")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+        for q, new in ((q_a[1], 1), (q_a[2], 9)):
+            with torch.profiler.profile() as prof:
+                call(q, new, radix)
+                sync(device)
+            print(f"\n===== {name}, max_new_tokens={new}: kernels and ops by GPU time =====")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
     return {"profile": True}
 
 

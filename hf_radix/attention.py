@@ -105,6 +105,7 @@ class TritonBackend:
             sliding_window=sliding_window,
             softcap=softcap,
             max_new_len=batch.max_new_len,
+            max_prefix_len=batch.max_kv_len,
         )
 
 

@@ -190,6 +190,15 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "extend_bm32_window": ("extend", dict(rows=[(40, 45), (0, 3)], hq=2, hkv=1, d=16),
                            dict(sliding_window=20,
                                 _cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
+    # the prefix split into chunks computed in parallel and merged; empty chunks, rows and splits
+    "extend_splits": ("extend", dict(rows=[(40, 5), (0, 3), (7, 0), (19, 20)], hq=4, hkv=2, d=16,
+                                     page_size=2), dict(num_splits=4)),
+    "extend_splits_window_softcap": (
+        "extend", dict(rows=[(45, 6), (3, 17)], hq=2, hkv=1, d=16),
+        dict(num_splits=3, sliding_window=11, softcap=3.0,
+             _cfg={"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "num_stages": 1}),
+    ),
+    "extend_splits_auto": ("extend", dict(rows=[(600, 4)], hq=2, hkv=2, d=16), dict(max_prefix_len=600)),
     "decode_splits": ("decode", dict(seq_lens=[1, 37, 70, 16], hq=8, hkv=2, d=16, page_size=4),
                       dict(num_kv_splits=3)),
     "decode_auto": ("decode", dict(seq_lens=[33, 5], hq=4, hkv=4, d=24, page_size=1), {}),

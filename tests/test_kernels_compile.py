@@ -25,14 +25,18 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num
     return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-@pytest.mark.parametrize("window,softcap,head_dim", [(False, False, 128), (True, True, 96)])
-def test_extend_kernel_compiles_for_sm90(window: bool, softcap: bool, head_dim: int):
+@pytest.mark.parametrize(
+    "window,softcap,head_dim,direct",
+    [(False, False, 128, True), (False, False, 128, False), (True, True, 96, False)],
+)
+def test_extend_kernel_compiles_for_sm90(window: bool, softcap: bool, head_dim: int, direct: bool):
     pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
     pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
-    pointers.update(prefix_kv_indices="*i64", qk_scale="fp32", cap_scale="fp32")
+    pointers.update(prefix_kv_indices="*i64", Mid_o="*fp32", Mid_lse="*fp32")
+    pointers.update(qk_scale="fp32", cap_scale="fp32")
     constexprs = dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window,
-        SOFTCAP=softcap, DOT_PREC="tf32",
+        SOFTCAP=softcap, DIRECT=direct, DOT_PREC="tf32",
     )
     kernel = _compile(kernels._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
@@ -50,7 +54,7 @@ def test_decode_kernels_compile_for_sm90(direct: bool):
     stage1 = _compile(kernels._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
     assert stage1.asm["cubin"]
     reduce = _compile(
-        kernels._decode_stage2_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
+        kernels._merge_splits_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4, num_stages=1,
     )
     assert reduce.asm["cubin"]

@@ -45,9 +45,12 @@ EXTEND_CASES = {
     "d96_group7": dict(rows=[(257, 190), (0, 5)], hq=28, hkv=4, d=96, page_size=1),
     "gemma2_d256": dict(rows=[(700, 300), (0, 129), (4000, 2)], hq=16, hkv=8, d=256, page_size=16),
 }
+EXTEND_CASES["ttft_d128"] = dict(rows=[(4096, 64), (0, 0)], hq=32, hkv=8, d=128, page_size=1)
 EXTEND_KW = {
-    "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0)],
+    "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0), dict(sliding_window=256, num_splits=6)],
     "d96_group7": [dict(), dict(sliding_window=100)],
+    "llama_gqa_d128_p16": [dict(), dict(num_splits=5)],
+    "ttft_d128": [dict(), dict(max_prefix_len=8192), dict(num_splits=16)],
 }
 
 DECODE_CASES = {

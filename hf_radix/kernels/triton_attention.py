@@ -5,9 +5,12 @@ Two entry points:
 * :func:`extend_attention` -- prefill/extend: each row has ``prefix_lens[i]`` cached tokens (read from the
   pool through ``prefix_kv_indices``) followed by new tokens (read from the contiguous ``k_new``/``v_new``).
   One program computes a ``BLOCK_M`` x ``head_dim`` output tile for one query head with an online softmax.
+  Few short query blocks over long prefixes (a question after a cached few-shot prefix) split each prefix
+  into chunks computed in parallel, merged as in decode.
 * :func:`decode_attention` -- one query token per row, split-KV (flash-decoding). Stage 1 computes a
   normalized partial output and a log2-sum-exp per (row, query-head, split); all query heads that share a KV
-  head are handled by the same program, so each K/V tile is read once per KV head. Stage 2 merges the splits.
+  head are handled by the same program, so each K/V tile is read once per KV head. A merge kernel combines
+  the splits.
 
 Pool layout: ``k_cache``/``v_cache`` are ``[num_slots, num_kv_heads, head_dim]``; a row's keys live at
 arbitrary slots given in position order. All softmax math is fp32, in base 2 (``log2(e)`` is folded into
@@ -157,21 +160,55 @@ def _extend_new_loop(
 
 
 @triton.jit
+def _extend_new_tokens(
+    acc, l_i, m_i, q, K_new, V_new, tok0, m_start, new_len, offs_m,
+    kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+    offs_n, offs_d, d_mask,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Attend (causally) over the row's new tokens, read from the contiguous k_new / v_new."""
+    diag_hi = tl.minimum(m_start + BLOCK_M, new_len)
+    if USE_WINDOW:
+        lo_new = tl.maximum(m_start - window + 1, 0)
+        lo_new = (lo_new // BLOCK_N) * BLOCK_N
+        acc, l_i, m_i = _extend_new_loop(
+            acc, l_i, m_i, q, K_new, V_new, tok0, lo_new, diag_hi, new_len, offs_m,
+            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    else:
+        # Blocks strictly below the diagonal need no mask (BLOCK_M is a multiple of BLOCK_N).
+        acc, l_i, m_i = _extend_new_loop(
+            acc, l_i, m_i, q, K_new, V_new, tok0, 0, m_start, new_len, offs_m,
+            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+            offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, l_i, m_i = _extend_new_loop(
+            acc, l_i, m_i, q, K_new, V_new, tok0, m_start, diag_hi, new_len, offs_m,
+            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _extend_kernel(
-    Q, K_new, V_new, K_cache, V_cache, Out,
+    Q, K_new, V_new, K_cache, V_cache, Out, Mid_o, Mid_lse,
     qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
-    qk_scale, cap_scale, window,
+    qk_scale, cap_scale, window, num_splits,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Grid (q_heads, rows, m_blocks): heads sharing K/V run back to back (L2 reuse); the last (heaviest,
-    # causal) query blocks of every row are scheduled first.
+    # Grid (q_heads, rows, m_blocks * num_splits): heads sharing K/V run back to back (L2 reuse); the last
+    # (heaviest, causal) query blocks of every row are scheduled first. With num_splits > 1 each program
+    # covers one chunk of the cached prefix (the last one also the new tokens) and writes a partial result
+    # that the decode merge kernel combines.
     head = tl.program_id(0)
     row = tl.program_id(1)
-    mblk = tl.num_programs(2) - 1 - tl.program_id(2)
+    split = tl.program_id(2) % num_splits
+    mblk = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
 
     tok0 = tl.load(qo_indptr + row)
     new_len = tl.load(qo_indptr + row + 1) - tok0
@@ -198,51 +235,49 @@ def _extend_kernel(
     # Finite start value so fully masked rows/blocks never produce (-inf) - (-inf).
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
 
-    # ---- cached prefix (positions 0 .. prefix_len-1), gathered through the slot array ----
+    # ---- this split's chunk of the cached prefix, gathered through the slot array ----
     kv_idx_ptr = prefix_kv_indices + kv_base
     q_pos = prefix_len + offs_m
+    lo = prefix_len * 0
     if USE_WINDOW:
         lo = tl.maximum(prefix_len + m_start - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, prefix_len, prefix_len, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    else:
-        full = (prefix_len // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, 0, full, prefix_len, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, prefix_len, prefix_len, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-
-    # ---- new tokens (causal), read from the contiguous k_new / v_new ----
-    diag_hi = tl.minimum(m_start + BLOCK_M, new_len)
+    split_len = tl.cdiv(tl.cdiv(prefix_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    lo = lo + split * split_len
+    hi = tl.minimum(lo + split_len, prefix_len)
     if USE_WINDOW:
-        lo_new = tl.maximum(m_start - window + 1, 0)
-        lo_new = (lo_new // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, lo_new, diag_hi, new_len, offs_m,
-            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+        acc, l_i, m_i = _extend_prefix_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, prefix_len, q_pos,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
             offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     else:
-        # Blocks strictly below the diagonal need no mask (BLOCK_M is a multiple of BLOCK_N).
-        acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, 0, m_start, new_len, offs_m,
-            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = _extend_prefix_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, prefix_len, q_pos,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
             offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, m_start, diag_hi, new_len, offs_m,
-            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+        acc, l_i, m_i = _extend_prefix_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, prefix_len, q_pos,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
             offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    o_ptrs = Out + q_tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    if split == num_splits - 1:
+        acc, l_i, m_i = _extend_new_tokens(
+            acc, l_i, m_i, q, K_new, V_new, tok0, m_start, new_len, offs_m,
+            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+            offs_n, offs_d, d_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_M, BLOCK_N, DOT_PREC)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    st_mask = m_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        o_ptrs = Out + q_tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        m_ptrs = Mid_o + q_tok[:, None] * stride_mt + head * stride_mh + split * stride_ms + offs_d[None, :]
+        tl.store(m_ptrs, out, mask=st_mask)
+        tl.store(Mid_lse + q_tok * stride_lt + head * stride_lh + split, lse, mask=m_mask)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -337,7 +372,7 @@ def _decode_stage1_kernel(
 
 
 @triton.jit
-def _decode_stage2_kernel(
+def _merge_splits_kernel(
     Mid_o, Mid_lse, Out, num_splits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -482,13 +517,17 @@ def extend_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     max_new_len: int | None = None,
+    max_prefix_len: int | None = None,
+    num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix ++ new tokens) per row.
 
     q ``[T, Hq, D]``; k_new/v_new ``[T, Hkv, D]``; qo_indptr ``[B+1]``; prefix_lens ``[B]``;
     prefix_kv_indices/prefix_kv_indptr: CSR slot lists of each row's cached prefix. Returns ``[T, Hq, D]``.
-    Pass ``max_new_len`` (max over rows of new tokens) to avoid a device->host sync.
+    Pass ``max_new_len`` (max over rows of new tokens) to avoid a device->host sync. A bound on the
+    prefix length (``max_prefix_len``) lets few, short query blocks over long prefixes split each prefix
+    into ``num_splits`` chunks run in parallel (default: enough to fill the GPU; without a bound, one).
     """
     hq, hkv, d = _check_common(q, k_cache, v_cache)
     t = q.shape[0]
@@ -518,21 +557,37 @@ def extend_attention(
         raise ValueError("BLOCK_M must be a multiple of BLOCK_N")
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
+    m_blocks = triton.cdiv(max_new_len, cfg["BLOCK_M"])
+    if num_splits is None:
+        num_splits = 1
+        if max_prefix_len is not None:
+            span = min(max_prefix_len, window + max_new_len) if use_window else max_prefix_len
+            num_splits = pick_num_kv_splits(batch * m_blocks, hq, span, _sm_count(q.device))
+    num_splits = max(1, int(num_splits))
+    direct = num_splits == 1
+    if direct:
+        mid_o, mid_lse, mstrides = out, out, (0, 0, 0, 0, 0)  # unused placeholders
+    else:
+        mid_o = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
+        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
 
     def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
-        return (hq, batch, triton.cdiv(max_new_len, meta["BLOCK_M"]))
+        return (hq, batch, triton.cdiv(max_new_len, meta["BLOCK_M"]) * num_splits)
 
     args = (
-        q, k_new, v_new, k_cache, v_cache, out,
+        q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse,
         qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
-        qk_scale, cap_scale, window,
+        qk_scale, cap_scale, window, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *mstrides,
     )
     kwargs = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), USE_WINDOW=use_window,
-                  SOFTCAP=use_cap, DOT_PREC=_dot_prec(q.dtype))
+                  SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
     _launch("extend", _extend_kernel, grid, cfg, _EXTEND_SAFE_CFG, d, q.dtype, args, kwargs)
+    if not direct:
+        _merge_splits(mid_o, mid_lse, out, num_splits)
     return out
 
 
@@ -611,12 +666,20 @@ def decode_attention(
                   USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
     _launch("decode", _decode_stage1_kernel, grid, cfg, _DECODE_SAFE_CFG, d, q.dtype, args, kwargs)
     if not direct:
-        _decode_stage2_kernel[(batch, hq)](
-            mid_o, mid_lse, out, num_kv_splits, *mstrides, out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_kv_splits),
-            num_warps=4 if block_d >= 128 else 2,
-        )
+        _merge_splits(mid_o, mid_lse, out, num_kv_splits)
     return out
+
+
+def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Combines per-split partial outputs ``[N, Hq, S, D]`` (and their log2-sum-exps) into ``out``."""
+    n, hq, _, d = mid_o.shape
+    block_d = triton.next_power_of_2(d)
+    _merge_splits_kernel[(n, hq)](
+        mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4 if block_d >= 128 else 2,
+    )
 
 
 def kernel_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
