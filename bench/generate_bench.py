@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     # priming: the first call with the shared prefix computes it (the radix cold start)
     cold = {radix: timed(device, lambda r=radix: call(prefix + prime, 1, r))[0] for radix in (False, True)}
     if args.profile:
-        return profile(device, lambda q, new, r: call(prefix + q, new, r), q_a, q_b)
+        return profile(device, lambda q, new, r: call(prefix + q, new, r), q_a, q_b, args.trace_dir)
     computed_before = engine.stats.computed_tokens
 
     times: dict[str, dict[str, list[float]]] = {"default": {}, "radix": {}}
@@ -161,8 +161,10 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
-def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: list[list[int]]) -> dict:
-    """Where the time of TTFT calls and short generations goes: Python (cProfile) and GPU kernels."""
+def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: list[list[int]],
+            trace_dir: Path | None) -> dict:
+    """Where the time of TTFT calls and short generations goes: Python (cProfile), GPU kernels, and
+    (with `trace_dir`) Chrome traces of whole calls, host and device on one timeline."""
     import cProfile
     import io
     import pstats
@@ -179,12 +181,15 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
             pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(18)
             print(f"\n===== {name}, max_new_tokens={new}: Python, by own time =====")
             print("\n".join(out.getvalue().splitlines()[:40]))
-        for q, new in ((q_a[1], 1), (q_a[2], 9)):
+        for q, new in ((q_a[1], 1), (q_b[1], 9)):
             with torch.profiler.profile() as prof:
                 call(q, new, radix)
                 sync(device)
             print(f"\n===== {name}, max_new_tokens={new}: kernels and ops by GPU time =====")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+            if trace_dir is not None:
+                trace_dir.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(trace_dir / f"{name}_new{new}.json"))
     return {"profile": True}
 
 
@@ -223,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-total-tokens", type=int, default=None, help="pool size (default: half free)")
     parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--profile", action="store_true", help="print where the time goes instead of timing")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="with --profile: write Chrome traces")
     parser.add_argument("--no-cuda-graph", action="store_true", help="radix forwards run eagerly")
     args = parser.parse_args(argv)
     if args.tiny:

@@ -208,7 +208,7 @@ EXTEND_SWEEP = {
 
 
 def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: int = 128, rows: int = 8,
-                cached: int = 2048, new: int = 256) -> dict[str, Any]:
+                cached: int = 2048, new: int = 256, split_sweep: tuple[int, ...] = ()) -> dict[str, Any]:
     hkv = 8
     hq = 32 if d <= 128 else 16
     dev, dtype = "cuda", torch.bfloat16
@@ -241,6 +241,7 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: in
             prefix_kv_indptr,
             scaling,
             max_new_len=new,
+            max_prefix_len=cached,
         )
 
     # SDPA baseline: rows have equal lengths, so one batched call; causal with offset via a bool mask.
@@ -276,6 +277,12 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: in
             sweep_res.append({"cfg": cfg, "error": str(exc)[:200]})
         finally:
             ta._EXTEND_CFG_OVERRIDE = None
+        print(f"  extend sweep {sweep_res[-1]}", flush=True)
+    for splits in split_sweep:
+        fn = lambda s=splits: ta.extend_attention(  # noqa: E731
+            q, k_new, v_new, pool[0], pool[1], qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
+            scaling, max_new_len=new, num_splits=s)
+        sweep_res.append({"num_splits": splits, "ms": bench(fn)})
         print(f"  extend sweep {sweep_res[-1]}", flush=True)
     # causal FLOPs: per row/head, new queries see cached + (1..new) keys; QK^T and PV
     keys = rows * (new * cached + new * (new + 1) / 2)
@@ -313,7 +320,8 @@ def bench_extend(quick: bool) -> list[dict[str, Any]]:
     if not quick:  # Gemma-2-like heads (16 q / 8 kv, head_dim 256)
         results.append(_extend_one(16, gen, sweep=True, d=256))
     # generate's time-to-first-token shape: one question after a cached few-shot prefix
-    results.append(_extend_one(1, gen, sweep=True, rows=1, cached=4096, new=64))
+    splits = (1, 2, 4, 8, 16, 32)
+    results.append(_extend_one(1, gen, sweep=True, rows=1, cached=4096, new=64, split_sweep=splits))
     return results
 
 

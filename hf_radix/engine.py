@@ -94,6 +94,7 @@ class RadixEngine:
         self.vocab_size = text_config.vocab_size
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.takes_logits_to_keep = "logits_to_keep" in params
 
     @property
     def device(self) -> torch.device:

@@ -496,7 +496,7 @@ def _radix_generate(original, model, kwargs: dict):
         max_new_tokens=config.max_new_tokens,
         max_length=config.max_length,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
-        logits_to_keep="logits_to_keep" in inspect.signature(model.forward).parameters,
+        logits_to_keep=engine.takes_logits_to_keep,
     )
     # generate must not see what the radix path takes over: not in keywords, not in a config object (a
     # copy; the user's stays untouched), not in the model's defaults (restored when the call ends).
@@ -516,7 +516,7 @@ def _radix_generate(original, model, kwargs: dict):
             )
         _active_engines.add(id(engine))
     defaults = model.generation_config
-    saved = {name: getattr(defaults, name) for name in _TAKEN_OVER if hasattr(defaults, name)}
+    saved = {name: value for name in _TAKEN_OVER if (value := getattr(defaults, name, None)) is not None}
     result = None
     try:
         for name in saved:
