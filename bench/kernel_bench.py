@@ -278,12 +278,13 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: in
         finally:
             ta._EXTEND_CFG_OVERRIDE = None
         print(f"  extend sweep {sweep_res[-1]}", flush=True)
-    for splits in split_sweep:
-        fn = lambda s=splits: ta.extend_attention(  # noqa: E731
-            q, k_new, v_new, pool[0], pool[1], qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
-            scaling, max_new_len=new, num_splits=s)
-        sweep_res.append({"num_splits": splits, "ms": bench(fn)})
-        print(f"  extend sweep {sweep_res[-1]}", flush=True)
+    for pack in (False, True) if split_sweep else ():
+        for splits in split_sweep:
+            fn = lambda s=splits, p=pack: ta.extend_attention(  # noqa: E731
+                q, k_new, v_new, pool[0], pool[1], qo_indptr, prefix_lens, prefix_kv_indices,
+                prefix_kv_indptr, scaling, max_new_len=new, num_splits=s, pack_gqa=p)
+            sweep_res.append({"num_splits": splits, "pack_gqa": pack, "ms": bench(fn)})
+            print(f"  extend sweep {sweep_res[-1]}", flush=True)
     # causal FLOPs: per row/head, new queries see cached + (1..new) keys; QK^T and PV
     keys = rows * (new * cached + new * (new + 1) / 2)
     flops = 4 * hq * d * keys

@@ -43,6 +43,7 @@ class RadixGenerateCache(RadixCache):
         max_new_tokens: int | None = None,
         max_length: int | None = None,
         prefill_chunk_size: int | None = None,
+        num_return_sequences: int = 1,
         logits_to_keep: bool = True,
     ):
         super().__init__(engine)
@@ -50,6 +51,7 @@ class RadixGenerateCache(RadixCache):
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
         self.prefill_chunk_size = prefill_chunk_size
+        self.num_return_sequences = num_return_sequences
         self.supports_logits_to_keep = logits_to_keep
         self.rows: list[int | None] = []  # page-table row of each batch row; None once released
         self.tokens: list[list[int]] = []  # real (unpadded) tokens of each batch row
@@ -65,6 +67,8 @@ class RadixGenerateCache(RadixCache):
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
+        # (prompt ids, logits or None) of a first step run ahead of generate's first call
+        self._ahead: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -88,7 +92,8 @@ class RadixGenerateCache(RadixCache):
             finally:
                 model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
-        logits = self._graph_logits()
+        ahead, self._ahead = self._ahead, None
+        logits = ahead[1] if ahead is not None and ahead[1] is not None else self._graph_logits()
         if logits is not None:
             output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         else:
@@ -134,7 +139,9 @@ class RadixGenerateCache(RadixCache):
         fresh = total - self.seen
         if not 0 < fresh <= width:
             raise RuntimeError(f"generate passed {width} positions for {fresh} new ones; radix cannot follow")
-        if not self.rows:
+        if self._ahead is not None:
+            self._check_same_prompt(input_ids)
+        elif not self.rows:
             self._open_rows(input_ids, embeds, mask, fresh)
         elif embeds is not None:
             raise ValueError("cache_implementation='radix' takes inputs_embeds for the prompt only")
@@ -144,6 +151,38 @@ class RadixGenerateCache(RadixCache):
         self.seen = total
         if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(model)
+
+    def prefill_ahead(self, call: dict) -> None:
+        """Opens the rows and starts the first step (a captured graph) before generate's own set-up.
+
+        Generate spends milliseconds preparing before its first model call, while the first step is
+        already known from the prompt ids and their attention mask: the GPU computes it meanwhile, and
+        generate's first call returns these logits. Other calls wait for generate's first step.
+        """
+        ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
+        mask = call.get("attention_mask")
+        if (
+            self.graphs is None
+            or self.prefill_chunk_size
+            or self.num_return_sequences != 1
+            or not isinstance(ids, torch.Tensor)
+            or ids.dim() != 2
+            or ids.is_floating_point()
+            or not isinstance(mask, torch.Tensor)
+            or mask.shape != ids.shape
+            or ids.device != self.engine.device
+        ):
+            return
+        self._open_rows(ids, None, mask, ids.shape[1])
+        self._ahead = (ids, self._graph_logits())
+
+    def _check_same_prompt(self, input_ids: torch.Tensor | None) -> None:
+        """Generate's first step must be the prompt the step run ahead computed."""
+        ahead = self._ahead[0]
+        if input_ids is None or input_ids.shape != ahead.shape or (
+            input_ids.data_ptr() != ahead.data_ptr() and not torch.equal(input_ids, ahead)
+        ):
+            raise RuntimeError("generate's first step is not the prompt it was given; radix cannot follow")
 
     def _graph_logits(self) -> torch.Tensor | None:
         """This step's packed logits from a captured graph (a decode step or a short extend); None: eager."""
@@ -187,10 +226,10 @@ class RadixGenerateCache(RadixCache):
         if mask is None:
             lens = [fresh] * size
         else:
-            mask = mask[:, -fresh:].bool()
+            mask = mask[:, -fresh:].cpu().numpy().astype(bool)
             counts = mask.sum(1)
-            left_padded = torch.arange(fresh, device=mask.device)[None, :] >= (fresh - counts)[:, None]
-            if not torch.equal(mask, left_padded):
+            left_padded = np.arange(fresh)[None, :] >= (fresh - counts)[:, None]
+            if not np.array_equal(mask, left_padded):
                 raise ValueError(
                     "cache_implementation='radix' needs left padding (tokenizer padding_side='left') and no "
                     "holes in the attention_mask"
@@ -496,6 +535,7 @@ def _radix_generate(original, model, kwargs: dict):
         max_new_tokens=config.max_new_tokens,
         max_length=config.max_length,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
+        num_return_sequences=config.num_return_sequences or 1,
         logits_to_keep=engine.takes_logits_to_keep,
     )
     # generate must not see what the radix path takes over: not in keywords, not in a config object (a
@@ -524,6 +564,7 @@ def _radix_generate(original, model, kwargs: dict):
         restore_forward = _route_forward(model, cache)
         try:
             with radix_attention(model):
+                cache.prefill_ahead(call)
                 result = original(model, **call)
         finally:
             restore_forward()

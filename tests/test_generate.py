@@ -436,10 +436,16 @@ def test_decode_steps_and_short_prefills_go_through_the_graph_runners(monkeypatc
     out = _both(model, again, seed=2, max_new_tokens=4, do_sample=True, num_return_sequences=2, top_k=0)
     assert out.shape[0] == 4 and (extend.replays, decode.replays) == (2, 5 + 3)
     assert engine.stats.computed_tokens == 31 + 3 * 5 + (5 + 2) + 3 * 4  # the 12 shared tokens were cached
+    # The first step runs before generate's own set-up; an error found there still releases everything.
+    ids, mask = _left_pad([random_ids(gen, 9)])
+    with pytest.raises(ValueError, match="not_a_generate_argument"):
+        model.generate(ids, attention_mask=mask, cache_implementation="radix", not_a_generate_argument=1)
+    assert extend.replays == 3 and engine.manager.num_rows == 0
+    engine.check_integrity()
     # Past the captured shapes: prefill of 40 tokens and a 5-row batch run eagerly.
     _both(model, [random_ids(gen, 40)], max_new_tokens=2)
     _both(model, [random_ids(gen, 5) for _ in range(5)], max_new_tokens=3)
-    assert (extend.replays, decode.replays) == (2, 5 + 3 + 1)
+    assert (extend.replays, decode.replays) == (3, 5 + 3 + 1)
     _clean(model)
 
 

@@ -198,6 +198,16 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         dict(num_splits=3, sliding_window=11, softcap=3.0,
              _cfg={"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "num_stages": 1}),
     ),
+    # grouped query heads packed into one program (few new tokens), and not
+    "extend_gqa_unpacked": ("extend", dict(rows=[(21, 18), (3, 1), (0, 17)], hq=4, hkv=2, d=16, page_size=4),
+                            dict(pack_gqa=False)),
+    "extend_pack_group3_window_softcap": (
+        "extend", dict(rows=[(29, 20), (0, 11), (5, 2)], hq=6, hkv=2, d=16, page_size=2),
+        dict(pack_gqa=True, sliding_window=9, softcap=3.0, num_splits=2),
+    ),
+    "extend_pack_splits": ("extend", dict(rows=[(70, 9), (0, 0), (33, 40)], hq=8, hkv=2, d=16),
+                           dict(pack_gqa=True, num_splits=3,
+                                _cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
     "extend_splits_auto": ("extend", dict(rows=[(600, 4)], hq=2, hkv=2, d=16), dict(max_prefix_len=600)),
     "decode_splits": ("decode", dict(seq_lens=[1, 37, 70, 16], hq=8, hkv=2, d=16, page_size=4),
                       dict(num_kv_splits=3)),

@@ -26,17 +26,19 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num
 
 
 @pytest.mark.parametrize(
-    "window,softcap,head_dim,direct",
-    [(False, False, 128, True), (False, False, 128, False), (True, True, 96, False)],
+    "window,softcap,head_dim,direct,pack",
+    [(False, False, 128, True, False), (False, False, 128, False, True), (True, True, 96, False, True)],
 )
-def test_extend_kernel_compiles_for_sm90(window: bool, softcap: bool, head_dim: int, direct: bool):
+def test_extend_kernel_compiles_for_sm90(
+    window: bool, softcap: bool, head_dim: int, direct: bool, pack: bool
+) -> None:
     pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
     pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
     pointers.update(prefix_kv_indices="*i64", Mid_o="*fp32", Mid_lse="*fp32")
     pointers.update(qk_scale="fp32", cap_scale="fp32")
     constexprs = dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window,
-        SOFTCAP=softcap, DIRECT=direct, DOT_PREC="tf32",
+        SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack, DOT_PREC="tf32",
     )
     kernel = _compile(kernels._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]

@@ -48,9 +48,9 @@ EXTEND_CASES = {
 EXTEND_CASES["ttft_d128"] = dict(rows=[(4096, 64), (0, 0)], hq=32, hkv=8, d=128, page_size=1)
 EXTEND_KW = {
     "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0), dict(sliding_window=256, num_splits=6)],
-    "d96_group7": [dict(), dict(sliding_window=100)],
-    "llama_gqa_d128_p16": [dict(), dict(num_splits=5)],
-    "ttft_d128": [dict(), dict(max_prefix_len=8192), dict(num_splits=16)],
+    "d96_group7": [dict(), dict(sliding_window=100), dict(pack_gqa=True, sliding_window=100, num_splits=3)],
+    "llama_gqa_d128_p16": [dict(), dict(num_splits=5), dict(pack_gqa=True, max_prefix_len=4096)],
+    "ttft_d128": [dict(), dict(max_prefix_len=8192), dict(num_splits=16, pack_gqa=False)],
 }
 
 DECODE_CASES = {

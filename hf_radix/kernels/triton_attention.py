@@ -36,6 +36,7 @@ __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel
 logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
+PACK_GQA_MAX_NEW = 128  # extends of at most this many new tokens per row pack grouped query heads
 
 # Optional launch-config overrides (tests / benchmarks): keys BLOCK_M, BLOCK_N, num_warps, num_stages.
 _EXTEND_CFG_OVERRIDE: dict[str, int] | None = None
@@ -161,31 +162,32 @@ def _extend_new_loop(
 
 @triton.jit
 def _extend_new_tokens(
-    acc, l_i, m_i, q, K_new, V_new, tok0, m_start, new_len, offs_m,
+    acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, q_rel,
     kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
     offs_n, offs_d, d_mask,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """Attend (causally) over the row's new tokens, read from the contiguous k_new / v_new."""
-    diag_hi = tl.minimum(m_start + BLOCK_M, new_len)
+    """Attend (causally) over the row's new tokens, read from the contiguous k_new / v_new.
+
+    The block's queries are the new tokens ``first_tok..last_tok``; with ``ALIGNED`` (``first_tok`` a
+    multiple of BLOCK_N) the blocks strictly below the diagonal skip masking.
+    """
+    diag_hi = tl.minimum(last_tok + 1, new_len)
+    lo = first_tok * 0
     if USE_WINDOW:
-        lo_new = tl.maximum(m_start - window + 1, 0)
-        lo_new = (lo_new // BLOCK_N) * BLOCK_N
+        lo = tl.maximum(first_tok - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    elif ALIGNED:
         acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, lo_new, diag_hi, new_len, offs_m,
-            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    else:
-        # Blocks strictly below the diagonal need no mask (BLOCK_M is a multiple of BLOCK_N).
-        acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, 0, m_start, new_len, offs_m,
+            acc, l_i, m_i, q, K_new, V_new, tok0, 0, first_tok, new_len, q_rel,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
             offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, m_start, diag_hi, new_len, offs_m,
-            kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        lo = first_tok
+    acc, l_i, m_i = _extend_new_loop(
+        acc, l_i, m_i, q, K_new, V_new, tok0, lo, diag_hi, new_len, q_rel,
+        kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
+        offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     return acc, l_i, m_i
 
 
@@ -198,36 +200,48 @@ def _extend_kernel(
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr,
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Grid (q_heads, rows, m_blocks * num_splits): heads sharing K/V run back to back (L2 reuse); the last
-    # (heaviest, causal) query blocks of every row are scheduled first. With num_splits > 1 each program
-    # covers one chunk of the cached prefix (the last one also the new tokens) and writes a partial result
-    # that the decode merge kernel combines.
-    head = tl.program_id(0)
+    # Grid (heads, rows, m_blocks * num_splits). A program computes BLOCK_M query rows: BLOCK_M new tokens
+    # of one query head, or with PACK_GQA (few new tokens) BLOCK_M (token, head) pairs of the query heads
+    # that share one KV head, so each K/V tile is loaded once for all of them. Heads sharing K/V run back
+    # to back (L2 reuse); the last (heaviest, causal) query blocks of every row are scheduled first. With
+    # num_splits > 1 each program covers one chunk of the cached prefix (the last one also the new tokens)
+    # and writes a partial result that the merge kernel combines.
     row = tl.program_id(1)
     split = tl.program_id(2) % num_splits
     mblk = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
+    m_start = mblk * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        kvh = tl.program_id(0)
+        tok = offs_m // GROUP
+        heads = kvh * GROUP + offs_m % GROUP
+        first_tok = m_start // GROUP
+        last_tok = (m_start + BLOCK_M - 1) // GROUP
+    else:
+        kvh = tl.program_id(0) // GROUP
+        tok = offs_m
+        heads = tl.program_id(0) + offs_m * 0
+        first_tok = m_start
+        last_tok = m_start + BLOCK_M - 1
 
     tok0 = tl.load(qo_indptr + row)
     new_len = tl.load(qo_indptr + row + 1) - tok0
-    m_start = mblk * BLOCK_M
-    if m_start >= new_len:
+    if first_tok >= new_len:
         return
     prefix_len = tl.load(prefix_lens + row)
     kv_base = tl.load(prefix_kv_indptr + row)
-    kvh = head // GROUP
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    m_mask = offs_m < new_len
+    m_mask = tok < new_len
     d_mask = offs_d < HEAD_DIM
 
-    q_tok = (tok0 + offs_m).to(tl.int64)
-    q_ptrs = Q + q_tok[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q_tok = (tok0 + tok).to(tl.int64)
+    q_ptrs = Q + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -237,10 +251,10 @@ def _extend_kernel(
 
     # ---- this split's chunk of the cached prefix, gathered through the slot array ----
     kv_idx_ptr = prefix_kv_indices + kv_base
-    q_pos = prefix_len + offs_m
+    q_pos = prefix_len + tok
     lo = prefix_len * 0
     if USE_WINDOW:
-        lo = tl.maximum(prefix_len + m_start - window + 1, 0)
+        lo = tl.maximum(prefix_len + first_tok - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
     split_len = tl.cdiv(tl.cdiv(prefix_len - lo, num_splits), BLOCK_N) * BLOCK_N
     lo = lo + split * split_len
@@ -263,21 +277,22 @@ def _extend_kernel(
 
     if split == num_splits - 1:
         acc, l_i, m_i = _extend_new_tokens(
-            acc, l_i, m_i, q, K_new, V_new, tok0, m_start, new_len, offs_m,
+            acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, tok,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_M, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, d_mask, USE_WINDOW, SOFTCAP, EVEN_D, not PACK_GQA, BLOCK_N, DOT_PREC)
 
     has = l_i > 0.0
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     st_mask = m_mask[:, None] & d_mask[None, :]
     if DIRECT:
-        o_ptrs = Out + q_tok[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+        o_ptrs = Out + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        m_ptrs = Mid_o + q_tok[:, None] * stride_mt + head * stride_mh + split * stride_ms + offs_d[None, :]
+        m_ptrs = (Mid_o + q_tok[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms
+                  + offs_d[None, :])
         tl.store(m_ptrs, out, mask=st_mask)
-        tl.store(Mid_lse + q_tok * stride_lt + head * stride_lh + split, lse, mask=m_mask)
+        tl.store(Mid_lse + q_tok * stride_lt + heads * stride_lh + split, lse, mask=m_mask)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -519,6 +534,7 @@ def extend_attention(
     max_new_len: int | None = None,
     max_prefix_len: int | None = None,
     num_splits: int | None = None,
+    pack_gqa: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix ++ new tokens) per row.
@@ -528,6 +544,8 @@ def extend_attention(
     Pass ``max_new_len`` (max over rows of new tokens) to avoid a device->host sync. A bound on the
     prefix length (``max_prefix_len``) lets few, short query blocks over long prefixes split each prefix
     into ``num_splits`` chunks run in parallel (default: enough to fill the GPU; without a bound, one).
+    ``pack_gqa`` computes the query heads sharing a KV head together (default: for at most
+    ``PACK_GQA_MAX_NEW`` new tokens per row, when heads are grouped).
     """
     hq, hkv, d = _check_common(q, k_cache, v_cache)
     t = q.shape[0]
@@ -557,12 +575,15 @@ def extend_attention(
         raise ValueError("BLOCK_M must be a multiple of BLOCK_N")
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
-    m_blocks = triton.cdiv(max_new_len, cfg["BLOCK_M"])
+    group = hq // hkv
+    pack = pack_gqa if pack_gqa is not None else group > 1 and max_new_len <= PACK_GQA_MAX_NEW
+    heads = hkv if pack else hq
+    m_blocks = triton.cdiv(max_new_len * (group if pack else 1), cfg["BLOCK_M"])
     if num_splits is None:
         num_splits = 1
         if max_prefix_len is not None:
             span = min(max_prefix_len, window + max_new_len) if use_window else max_prefix_len
-            num_splits = pick_num_kv_splits(batch * m_blocks, hq, span, _sm_count(q.device))
+            num_splits = pick_num_kv_splits(batch * m_blocks, heads, span, _sm_count(q.device))
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
     if direct:
@@ -573,7 +594,7 @@ def extend_attention(
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
 
     def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
-        return (hq, batch, triton.cdiv(max_new_len, meta["BLOCK_M"]) * num_splits)
+        return (heads, batch, triton.cdiv(max_new_len * (group if pack else 1), meta["BLOCK_M"]) * num_splits)
 
     args = (
         q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse,
@@ -583,8 +604,8 @@ def extend_attention(
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), *mstrides,
     )
-    kwargs = dict(GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), USE_WINDOW=use_window,
-                  SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
+    kwargs = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PACK_GQA=pack,
+                  USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
     _launch("extend", _extend_kernel, grid, cfg, _EXTEND_SAFE_CFG, d, q.dtype, args, kwargs)
     if not direct:
         _merge_splits(mid_o, mid_lse, out, num_splits)
