@@ -583,7 +583,9 @@ def extend_attention(
         num_splits = 1
         if max_prefix_len is not None:
             span = min(max_prefix_len, window + max_new_len) if use_window else max_prefix_len
-            num_splits = pick_num_kv_splits(batch * m_blocks, heads, span, _sm_count(q.device))
+            # One wave: an extend's partial results (a tile per split) cost more than decode's.
+            num_splits = pick_num_kv_splits(batch * m_blocks, heads, span, _sm_count(q.device),
+                                            min_split_tokens=512, waves=1)
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
     if direct:
@@ -613,11 +615,11 @@ def extend_attention(
 
 
 def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int = 132,
-                       min_split_tokens: int = 256, max_splits: int = 64) -> int:
-    """Number of KV splits so that ``batch * kv_heads * splits`` programs fill about two waves of SMs,
-    keeping each split at least ``min_split_tokens`` long."""
+                       min_split_tokens: int = 256, max_splits: int = 64, waves: int = 2) -> int:
+    """Number of KV splits so that ``batch * kv_heads * splits`` programs fill about ``waves`` waves of
+    SMs, keeping each split at least ``min_split_tokens`` long."""
     progs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(2 * num_sms, progs)
+    want = triton.cdiv(waves * num_sms, progs)
     by_len = max(1, triton.cdiv(max(max_kv_len, 1), min_split_tokens))
     return int(max(1, min(want, by_len, max_splits)))
 
