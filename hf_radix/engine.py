@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import logging
 from collections.abc import Iterator
@@ -104,11 +103,6 @@ class RadixEngine:
     @property
     def page_size(self) -> int:
         return self.pool.page_size
-
-    @functools.cached_property
-    def side_stream(self) -> torch.cuda.Stream | None:
-        """A second CUDA stream (None off CUDA): a generate step started ahead of HF's set-up runs there."""
-        return torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""

@@ -67,7 +67,7 @@ class RadixGenerateCache(RadixCache):
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
-        # (prompt ids, logits or None) of a first step run ahead of generate's first call (on the side stream)
+        # (prompt ids, logits or None) of a first step run ahead of generate's first call
         self._ahead: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -92,8 +92,8 @@ class RadixGenerateCache(RadixCache):
             finally:
                 model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
-        ahead = self._join_ahead()
-        logits = ahead[1].clone() if ahead is not None and ahead[1] is not None else self._graph_logits()
+        ahead, self._ahead = self._ahead, None
+        logits = ahead[1] if ahead is not None and ahead[1] is not None else self._graph_logits()
         if logits is not None:
             output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         else:
@@ -156,9 +156,8 @@ class RadixGenerateCache(RadixCache):
         """Opens the rows and starts the first step (a captured graph) before generate's own set-up.
 
         Generate spends milliseconds preparing before its first model call, while the first step is
-        already known from the prompt ids and their attention mask: the GPU computes it meanwhile, on the
-        engine's side stream (so the host syncs of generate's set-up do not wait for it), and generate's
-        first call returns these logits. Other calls wait for generate's first step.
+        already known from the prompt ids and their attention mask: the GPU computes it meanwhile, and
+        generate's first call returns these logits. Other calls wait for generate's first step.
         """
         ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
         mask = call.get("attention_mask")
@@ -175,21 +174,7 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
-        stream = self.engine.side_stream
-        if stream is None:
-            self._ahead = (ids, self._graph_logits(copy=False))
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(stream):
-            self._ahead = (ids, self._graph_logits(copy=False))
-
-    def _join_ahead(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Takes the step run ahead (if any); the current stream then waits for it."""
-        ahead, self._ahead = self._ahead, None
-        stream = self.engine.side_stream
-        if ahead is not None and stream is not None:
-            torch.cuda.current_stream(self.engine.device).wait_stream(stream)
-        return ahead
+        self._ahead = (ids, self._graph_logits())
 
     def _check_same_prompt(self, input_ids: torch.Tensor | None) -> None:
         """Generate's first step must be the prompt the step run ahead computed."""
@@ -199,11 +184,8 @@ class RadixGenerateCache(RadixCache):
         ):
             raise RuntimeError("generate's first step is not the prompt it was given; radix cannot follow")
 
-    def _graph_logits(self, copy: bool = True) -> torch.Tensor | None:
-        """This step's packed logits from a captured graph (a decode step or a short extend); None: eager.
-
-        Without `copy` the graph's own output buffer is returned: valid until the next replay.
-        """
+    def _graph_logits(self) -> torch.Tensor | None:
+        """This step's packed logits from a captured graph (a decode step or a short extend); None: eager."""
         if self.graphs is None or self._embeds is not None:
             return None
         decode, extend = self.graphs
@@ -228,7 +210,7 @@ class RadixGenerateCache(RadixCache):
         else:
             return None
         self.engine.record_forward(sum(new))
-        return logits.clone() if copy else logits
+        return logits.clone()  # the graph's output buffer is overwritten by the next replay
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
     def _open_rows(
@@ -396,7 +378,6 @@ class RadixGenerateCache(RadixCache):
         if self.finished:
             return
         self.finished = True
-        self._join_ahead()  # generate failed before its first step: that step's writes must land first
         last = None
         size = len(self.rows)
         if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
