@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, ExtendGraphs
 from .engine import RadixEngine, get_engine
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
@@ -79,9 +79,11 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
         self.seeded = SeededRows(engine.device)
-        self.decode_graphs = None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
         if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
+            self.extend_graphs = ExtendGraphs(engine)
         self.pending: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -209,8 +211,12 @@ class Scheduler:
 
     # -- forwards ------------------------------------------------------------------------------------
     def _forward(self, items: list[tuple[Req, int, int]]) -> torch.Tensor:
+        """Computes `items` (request, start, end); returns the logits their `logits_offsets` ask for."""
         rows = [req.row for req, _, _ in items]
         self.manager.allocate(rows, [end for _, _, end in items])
+        logits = self._graph_forward(items)
+        if logits is not None:
+            return logits
         batch = build_forward_batch(
             [self.manager.row_slots(r) for r in rows],
             [np.asarray(req.token_ids[start:end]) for req, start, end in items],
@@ -219,6 +225,26 @@ class Scheduler:
             self.engine.device,
         )
         return self.engine.forward(batch)
+
+    def _graph_forward(self, items: list[tuple[Req, int, int]]) -> torch.Tensor | None:
+        """A small round of generation requests by extend-graph replay (None: it must run eagerly)."""
+        graphs = self.extend_graphs
+        new = [end - start for _, start, end in items]
+        if (
+            graphs is None
+            or any(req.score_from is not None for req, _, _ in items)
+            or min(new) == 0
+            or not graphs.fits(len(items), sum(new), sum(start for _, start, _ in items))
+        ):
+            return None
+        logits = graphs.run(
+            [self.manager.row_slots(req.row) for req, _, _ in items],
+            [np.asarray(req.token_ids[start:end]) for req, start, end in items],
+            [start for _, start, _ in items],
+        )
+        self.engine.record_forward(sum(new))
+        # a copy (the graph's buffer is overwritten by the next replay) of the rows that sample a token
+        return logits[[i for i, (req, _, end) in enumerate(items) if end == len(req.token_ids)]]
 
     def _forward_prefill(self, items: list[tuple[Req, int, int]]) -> None:
         logits = self._forward(items)

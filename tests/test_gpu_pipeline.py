@@ -45,6 +45,8 @@ def test_runner_greedy_matches_generate_on_gpu(arch: str, page_size: int, cuda_g
     runner.check_integrity()
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _hf_greedy(model, prompt, 10)
+    if cuda_graph:  # prefill rounds of <= 64 tokens replay extend graphs
+        assert runner._scheduler.extend_graphs.replays > 0
     again = runner.run(prompts, SamplingParams(max_new_tokens=10))
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert all(o.cached_tokens > 0 for o in again if len(o.prompt_token_ids) > page_size + 1)

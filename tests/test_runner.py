@@ -10,6 +10,7 @@ from conftest import fresh_model, hf_greedy, random_ids
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix.cuda_graph import ExtendGraphs
 
 NEW = 6
 
@@ -219,3 +220,19 @@ def test_default_runner_keeps_the_configured_engine():
     assert other.engine is not engine and other.engine.page_size == 4
     assert other.engine.options.max_total_tokens == 512  # unspecified options carry over
     other.check_integrity()
+
+
+@pytest.mark.parametrize("arch,page_size,chunk", [("qwen2", 2, 9), ("gemma2", 1, 8192)])
+def test_small_prefill_rounds_replay_extend_graphs(arch: str, page_size: int, chunk: int):
+    """Rounds of <= 4 rows and 32 new tokens run as the padded batch a CUDA graph replays (eagerly here)."""
+    runner = _runner(arch, page_size=page_size, chunked_prefill_size=chunk, max_running_requests=3)
+    graphs = ExtendGraphs(runner.engine, max_rows=4, max_tokens=32)
+    runner._scheduler.extend_graphs = graphs
+    prompts = _workload(seed=3)
+    _assert_matches_hf(arch, prompts, runner.run(prompts, SamplingParams(max_new_tokens=NEW)))
+    runner.check_integrity()
+    assert graphs.replays > 0
+    replays = graphs.replays
+    runner.loglikelihood([(prompts[0], [5, 6, 7])])  # scoring rounds run eagerly
+    assert graphs.replays == replays
+    runner.check_integrity()
