@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 MAX_KV_PER_ROW = 16384
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 _EMPTY = np.zeros(0, dtype=np.int64)
+_extend_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its ExtendGraphs
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -258,3 +260,11 @@ class ExtendGraphs(_CapturedForwards):
         key = (_bucket(self.row_sizes, len(new_token_ids)), _bucket(self.token_sizes, new))
         host = self._pad(*key, row_slots, new_token_ids, prefix_lens)
         return self._run(key, host, len(new_token_ids))
+
+
+def shared_extend_graphs(engine: RadixEngine) -> ExtendGraphs:
+    """The engine's ExtendGraphs, shared by generate and the runner so each shape is captured once."""
+    graphs = _extend_graphs.get(engine)
+    if graphs is None:
+        graphs = _extend_graphs[engine] = ExtendGraphs(engine)
+    return graphs

@@ -15,7 +15,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
-from .cuda_graph import DecodeGraphs, ExtendGraphs
+from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .forward_batch import ForwardBatch, build_forward_batch
 
 if TYPE_CHECKING:
@@ -497,7 +497,7 @@ def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | N
         return None
     graphs = _graphs.get(engine)
     if graphs is None:
-        graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), ExtendGraphs(engine))
+        graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), shared_extend_graphs(engine))
     return graphs
 
 

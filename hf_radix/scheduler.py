@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .cuda_graph import DecodeGraphs, ExtendGraphs
+from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
@@ -83,7 +83,7 @@ class Scheduler:
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
         if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
-            self.extend_graphs = ExtendGraphs(engine)
+            self.extend_graphs = shared_extend_graphs(engine)
         self.pending: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
