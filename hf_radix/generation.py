@@ -415,12 +415,18 @@ def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | N
     return value if value is not None else getattr(model.generation_config, "cache_implementation", None)
 
 
+@functools.cache
+def _positional_names(original: Callable) -> tuple[str, ...]:
+    """Names of `generate`'s parameters (after `self`) that can be passed by position."""
+    params = list(inspect.signature(original).parameters.values())[1:]
+    return tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
     """`generate`'s positional arguments (after `self`) turned into keywords."""
     if not args:
         return dict(kwargs)
-    params = list(inspect.signature(original).parameters.values())[1:]
-    names = [p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    names = _positional_names(original)
     if len(args) > len(names):
         raise TypeError(f"generate() takes at most {len(names)} positional arguments, got {len(args)}")
     out = dict(kwargs)
