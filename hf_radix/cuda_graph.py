@@ -120,7 +120,7 @@ class _CapturedForwards(abc.ABC):
             prefix_kv_indices=kv,
             prefix_kv_indptr=kv_indptr,
             logits_indices=self._view("logits_indices", logits),
-            qo_indptr_host=np.r_[np.arange(rows), tokens] if self.decode else np.r_[np.zeros(rows), tokens],
+            qo_indptr_host=np.r_[np.arange(rows) if self.decode else np.zeros(rows, dtype=np.int64), tokens],
             seq_lens_host=np.ones(rows, dtype=np.int64),
             max_new_len=1 if self.decode else tokens,
             max_kv_len=self.kv_bound,
