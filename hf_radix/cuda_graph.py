@@ -81,27 +81,25 @@ class _CapturedForwards(abc.ABC):
         self.replays = 0
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.capture:
-            rows = max_rows + 1
-            self._wide = _StagedBuffer(3 * max_tokens + max_rows + self.max_kv, torch.int64, engine.device)
-            self._narrow = _StagedBuffer(3 * rows + 2, torch.int32, engine.device)
+            tm, rm = max_tokens, max_rows
+            self._wide = _StagedBuffer(3 * tm + rm + self.max_kv, torch.int64, engine.device)
+            self._narrow = _StagedBuffer(3 * (rm + 1) + 2, torch.int32, engine.device)
             self._pool = torch.cuda.graph_pool_handle()
+            # name -> (buffer, offset) of each static metadata array
+            self._segments: dict[str, tuple[_StagedBuffer, int]] = {
+                "input_ids": (self._wide, 0),
+                "positions": (self._wide, tm),
+                "out_loc": (self._wide, 2 * tm),
+                "logits_indices": (self._wide, 3 * tm),
+                "kv": (self._wide, 3 * tm + rm),
+                "qo_indptr": (self._narrow, 0),
+                "lens": (self._narrow, rm + 2),
+                "kv_indptr": (self._narrow, 2 * rm + 3),
+            }
 
     # -- the static batch of one shape -------------------------------------------------------------------
-    def _segments(self) -> dict[str, tuple[_StagedBuffer, int]]:
-        tm, rm = self.max_tokens, self.max_rows
-        return {
-            "input_ids": (self._wide, 0),
-            "positions": (self._wide, tm),
-            "out_loc": (self._wide, 2 * tm),
-            "logits_indices": (self._wide, 3 * tm),
-            "kv": (self._wide, 3 * tm + rm),
-            "qo_indptr": (self._narrow, 0),
-            "lens": (self._narrow, rm + 2),
-            "kv_indptr": (self._narrow, 2 * rm + 3),
-        }
-
     def _view(self, name: str, n: int | None) -> torch.Tensor:
-        buffer, start = self._segments()[name]
+        buffer, start = self._segments[name]
         return buffer.device[start:] if n is None else buffer.device[start : start + n]
 
     def _static_batch(self, rows: int, tokens: int, logits: int) -> ForwardBatch:
@@ -138,11 +136,10 @@ class _CapturedForwards(abc.ABC):
             "lens": host.seq_lens if self.decode else host.prefix_lens,
             "kv_indptr": host.kv_indptr if self.decode else host.prefix_kv_indptr,
         }
-        segments = self._segments()
         for name, values in arrays.items():
-            buffer, start = segments[name]
+            buffer, start = self._segments[name]
             buffer.host[start : start + len(values)] = values
-        self._wide.upload(segments["kv"][1] + len(arrays["kv"]))
+        self._wide.upload(self._segments["kv"][1] + len(arrays["kv"]))
         self._narrow.upload(len(self._narrow.host))
 
     # -- running -----------------------------------------------------------------------------------------
