@@ -64,6 +64,28 @@ DECODE_SWEEP = (
 )
 
 
+def _decode_inputs(
+    batch: int, ctx: int, hq: int, hkv: int, d: int, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Random bf16 queries ``[batch, hq, d]`` and a pool of ``batch * ctx`` slots; also the K+V bytes read."""
+    pool = torch.randn((2, batch * ctx, hkv, d), device=device, dtype=torch.bfloat16)
+    q = torch.randn((batch, hq, d), device=device, dtype=torch.bfloat16)
+    return q, pool, 2 * batch * ctx * hkv * d * pool.element_size()
+
+
+def _decode_rows(
+    batch: int, ctx: int, page_size: int, gen: torch.Generator, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR slot lists of ``batch`` rows of ``ctx`` tokens on shuffled pages: (kv_indices, kv_indptr)."""
+    kv_indices = shuffled_slots(batch, ctx, page_size, gen).reshape(-1).to(device)
+    kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=device)
+    return kv_indices, kv_indptr
+
+
+def _sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
 def _time_decode(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -89,24 +111,19 @@ def _time_decode(
 
 def bench_decode(quick: bool) -> list[dict[str, Any]]:
     batch, ctx, hq, hkv, d = 256, 2048, 32, 8, 128
-    dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    pool = torch.randn((2, batch * ctx, hkv, d), device=dev, dtype=dtype)
-    q = torch.randn((batch, hq, d), device=dev, dtype=dtype)
-    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default_splits = ta.pick_num_kv_splits(batch, hkv, ctx, sms)
+    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
+    default_splits = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
     results = []
     for page_size in (1, 16):
-        kv_indices = shuffled_slots(batch, ctx, page_size, gen).reshape(-1).to(dev)
-        kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
+        kv_indices, kv_indptr = _decode_rows(batch, ctx, page_size, gen)
         variants: list[tuple[dict[str, int] | None, int]] = [(None, default_splits)]
         if not quick:
             variants += [(cfg, default_splits) for cfg in DECODE_SWEEP] + [(None, 2), (None, 4)]
         for cfg, splits in variants:
             ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
             bw = kv_bytes / (ms * 1e-3)
-            used = cfg or ta._decode_config(d, dtype, torch.device(dev))
+            used = cfg or ta._decode_config(d, q.dtype, q.device)
             results.append(
                 {
                     "page_size": page_size,
@@ -131,14 +148,10 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
 def bench_decode_small() -> list[dict[str, Any]]:
     """Few long rows (8 x 8,192, page 16): where split-KV matters; auto split count vs fixed ones."""
     batch, ctx, hq, hkv, d = 8, 8192, 32, 8, 128
-    dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(2)
-    pool = torch.randn((2, batch * ctx, hkv, d), device=dev, dtype=dtype)
-    q = torch.randn((batch, hq, d), device=dev, dtype=dtype)
-    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
-    kv_indices = shuffled_slots(batch, ctx, 16, gen).reshape(-1).to(dev)
-    kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
-    auto = ta.pick_num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
+    kv_indices, kv_indptr = _decode_rows(batch, ctx, 16, gen)
+    auto = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
     results = []
     for rep, splits in [(r, sp) for r in range(2) for sp in sorted({1, 4, auto, 8, 16, 32})]:
         ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, None)
@@ -156,14 +169,10 @@ def bench_decode_small() -> list[dict[str, Any]]:
 def bench_decode_d256() -> list[dict[str, Any]]:
     """Gemma-2-like heads (16 q / 8 kv, head_dim 256): batch 64 x 4,096, page 16; BLOCK_N / warps sweep."""
     batch, ctx, hq, hkv, d = 64, 4096, 16, 8, 256
-    dev, dtype = "cuda", torch.bfloat16
     gen = torch.Generator().manual_seed(3)
-    pool = torch.randn((2, batch * ctx, hkv, d), device=dev, dtype=dtype)
-    q = torch.randn((batch, hq, d), device=dev, dtype=dtype)
-    kv_bytes = 2 * batch * ctx * hkv * d * pool.element_size()
-    kv_indices = shuffled_slots(batch, ctx, 16, gen).reshape(-1).to(dev)
-    kv_indptr = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device=dev)
-    splits = ta.pick_num_kv_splits(batch, hkv, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
+    kv_indices, kv_indptr = _decode_rows(batch, ctx, 16, gen)
+    splits = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
     results = []
     for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
                 "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
@@ -174,7 +183,7 @@ def bench_decode_d256() -> list[dict[str, Any]]:
             print(f"decode d256 {cfg}: {str(exc)[:120]}", flush=True)
             continue
         bw = kv_bytes / (ms * 1e-3)
-        used = cfg or ta._decode_config(d, dtype, torch.device(dev))
+        used = cfg or ta._decode_config(d, q.dtype, q.device)
         results.append(
             {"splits": splits, "cfg": used, "default": cfg is None, "ms": ms, "frac_peak": bw / PEAK_BW}
         )
