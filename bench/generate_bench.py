@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
-from hf_radix import generation  # noqa: E402
+from hf_radix import fused_ops, generation  # noqa: E402
 
 GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
 
@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> dict:
             "page_size": args.page_size,
             "attn_backend": engine.backend.name,
             "radix_cuda_graphs": graphs is not None,
+            "fused_norm_rope_in_graphs": fused_ops.ENABLED,
             "default_attention": "sdpa",
             "pool_tokens": engine.pool.num_slots,
             "model_init_s": init_s,
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true", help="print where the time goes instead of timing")
     parser.add_argument("--trace-dir", type=Path, default=None, help="with --profile: write Chrome traces")
     parser.add_argument("--no-cuda-graph", action="store_true", help="radix forwards run eagerly")
+    parser.add_argument("--no-fused-ops", action="store_true", help="graphs keep HF's own norm/rope kernels")
     args = parser.parse_args(argv)
     if args.tiny:
         args.prefix = args.prefix or 256
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available() or args.cpu:
         torch.set_num_threads(min(torch.get_num_threads(), 4))
     generation.CUDA_GRAPHS = not args.no_cuda_graph
+    fused_ops.ENABLED = not args.no_fused_ops
     result = run(args)
     if args.profile:
         return result

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .forward_batch import ForwardBatch, HostBatch, pack_batch, upload_batch
+from .fused_ops import fused_norm_and_rope
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -161,14 +162,15 @@ class _CapturedForwards(abc.ABC):
         self._stage(self._padding_only(key))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.engine.run_model(batch)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.engine.run_model(batch)
-        logger.info("captured a %s CUDA graph for %s", type(self).__name__, key)
+        with fused_norm_and_rope(self.engine.model) as fused:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.engine.run_model(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self.engine.run_model(batch)
+        logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, fused)
         return graph, logits
 
     @abc.abstractmethod

@@ -68,7 +68,8 @@ class RadixGenerateCache(RadixCache):
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
         # (prompt ids, logits or None) of a first step run ahead of generate's first call
-        self._ahead: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # the step run ahead: (prompt ids, its logits or None, the stream computing them)
+        self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -93,6 +94,8 @@ class RadixGenerateCache(RadixCache):
                 model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
         ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            _wait_for(ahead[2])
         logits = ahead[1] if ahead is not None and ahead[1] is not None else self._graph_logits()
         if logits is not None:
             output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
@@ -157,7 +160,9 @@ class RadixGenerateCache(RadixCache):
 
         Generate spends milliseconds preparing before its first model call, while the first step is
         already known from the prompt ids and their attention mask: the GPU computes it meanwhile, and
-        generate's first call returns these logits. Other calls wait for generate's first step.
+        generate's first call returns these logits. Other calls wait for generate's first step. The step
+        runs on a stream of its own, so that generate's set-up, whose host syncs wait for the default
+        stream, need not wait for it.
         """
         ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
         mask = call.get("attention_mask")
@@ -174,7 +179,14 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
-        self._ahead = (ids, self._graph_logits())
+        stream = _ahead_stream(self.engine)
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self._graph_logits()
+        if logits is not None and stream is not None:
+            logits.record_stream(torch.cuda.current_stream())  # allocated on `stream`, read on this one
+        self._ahead = (ids, logits, stream)
 
     def _check_same_prompt(self, input_ids: torch.Tensor | None) -> None:
         """Generate's first step must be the prompt the step run ahead computed."""
@@ -378,6 +390,8 @@ class RadixGenerateCache(RadixCache):
         if self.finished:
             return
         self.finished = True
+        if self._ahead is not None:  # generate failed before its first step: its slots are freed below
+            _wait_for(self._ahead[2])
         last = None
         size = len(self.rows)
         if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
@@ -403,6 +417,7 @@ _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation optio
 CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps and short prefills
 CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
 _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its captured graphs
+_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> stream of steps run ahead
 _active_engines: set[int] = set()  # engines with a radix generate call in progress
 _active_lock = threading.Lock()
 
@@ -438,9 +453,15 @@ def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
 
 
 def _effective_config(model, kwargs: dict):
-    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords."""
-    rest = {key: value for key, value in kwargs.items() if key != "generation_config"}
-    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **rest)
+    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords.
+
+    Generate's own `_prepare_generation_config` with the model's defaults as the explicit base: that skips
+    its legacy scan of `model.config` for generation parameters (a millisecond, before the first step can
+    start); generate itself still makes it and raises.
+    """
+    base = kwargs.get("generation_config")
+    config, _ = model._prepare_generation_config(model.generation_config if base is None else base)
+    config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
     return config
 
 
@@ -505,6 +526,22 @@ def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | N
     if graphs is None:
         graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), shared_extend_graphs(engine))
     return graphs
+
+
+def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
+    """The engine's stream for steps run ahead (None off CUDA)."""
+    if engine.device.type != "cuda":
+        return None
+    stream = _ahead_streams.get(engine)
+    if stream is None:
+        stream = _ahead_streams[engine] = torch.cuda.Stream(engine.device)
+    return stream
+
+
+def _wait_for(stream: torch.cuda.Stream | None) -> None:
+    """Orders the current stream's later work after everything queued on `stream` so far."""
+    if stream is not None:
+        torch.cuda.current_stream().wait_stream(stream)
 
 
 def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callable[[], None]:

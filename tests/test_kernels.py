@@ -1,30 +1,23 @@
 """CPU tests for hf_radix.kernels: Triton attention kernels under TRITON_INTERPRET=1 and the KV store.
 
-The Triton checks run in ONE subprocess with ``TRITON_INTERPRET=1`` set before triton is imported (the env var
-is read when ``@triton.jit`` decorates), so other test modules that import torch/triton are unaffected. The
-subprocess runs every case and prints a JSON report; each pytest test asserts on its own case.
+The Triton checks run in one interpreter subprocess (`tests/interpreter.py`); each pytest test asserts on its
+own case.
 
 This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
+from interpreter import assert_check_passed, interpreter_report, report_checks
 
 # --------------------------------------------------------------------------------------------------------
 # Case builders and float64 reference
@@ -253,36 +246,17 @@ def _run_case(name: str) -> dict[str, Any]:
 
 
 def _interp_main() -> None:
-    torch.set_num_threads(1)
-    report = {}
-    for name in INTERP_CASES:
-        try:
-            report[name] = _run_case(name)
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            report[name] = {"ok": False, "error": traceback.format_exc()}
-    print("@@REPORT@@" + json.dumps(report))
+    report_checks({name: lambda name=name: _run_case(name) for name in INTERP_CASES})
 
 
 @pytest.fixture(scope="module")
 def interp_report() -> dict[str, Any]:
-    env = dict(os.environ)
-    env["TRITON_INTERPRET"] = "1"
-    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interp"], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=str(REPO_ROOT))
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@REPORT@@"):
-            return json.loads(line[len("@@REPORT@@"):])
-    raise AssertionError(
-        f"interpreter subprocess failed (rc={proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    )
+    return interpreter_report(__file__)
 
 
 @pytest.mark.parametrize("name", list(INTERP_CASES))
 def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
-    res = interp_report[name]
-    assert "error" not in res, res.get("error")
-    assert res["ok"], res
+    assert_check_passed(interp_report, name)
 
 
 # --------------------------------------------------------------------------------------------------------

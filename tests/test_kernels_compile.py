@@ -60,3 +60,17 @@ def test_decode_kernels_compile_for_sm90(direct: bool):
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4, num_stages=1,
     )
     assert reduce.asm["cubin"]
+
+
+def test_norm_and_rope_kernels_compile_for_sm90() -> None:
+    from hf_radix.kernels import triton_norm_rope as fused
+
+    norm = _compile(
+        fused._rms_norm_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16", "eps": "fp32"}, dict(BLOCK=4096),
+        num_warps=16, num_stages=1,
+    )
+    rope = _compile(
+        fused._rope_kernel, {name: "*bf16" for name in ("Q", "K", "Cos", "Sin", "Q_out", "K_out")},
+        dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8), num_warps=4, num_stages=1,
+    )
+    assert norm.asm["cubin"] and rope.asm["cubin"]

@@ -153,6 +153,30 @@ def test_kernels_cuda_graph_capture() -> None:
     assert torch.equal(kc[loc], k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_and_rope_kernels_match_hf_at_8b_shapes(dtype: torch.dtype) -> None:
+    """The rotary embedding is bit-identical to HF's; the norm differs at most by a last-bit rounding."""
+    from transformers.models.llama import modeling_llama
+
+    from hf_radix.kernels.triton_norm_rope import rms_norm, rotary_embedding
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 64, 32, 128, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    k = torch.randn(1, 64, 8, 128, device="cuda", generator=gen).to(dtype).transpose(1, 2)
+    cos, sin = (torch.randn(1, 64, 128, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    for out, ref in zip(rotary_embedding(q, k, cos, sin), modeling_llama.apply_rotary_pos_emb(q, k, cos, sin),
+                        strict=True):
+        assert torch.equal(out, ref) and out.stride() == ref.stride()
+
+    norm = modeling_llama.LlamaRMSNorm(4096, eps=1e-5).to("cuda", dtype)
+    norm.weight.data.normal_(generator=gen)
+    x = torch.randn(3, 64, 4096, device="cuda", generator=gen).to(dtype)
+    out, ref = rms_norm(x, norm.weight, 1e-5), norm(x)
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
+    assert out.dtype == ref.dtype and ((out.float() - ref.float()).abs() <= ulp * ref.float().abs()).all()
+    assert (out != ref).float().mean() < 0.01
+
+
 # --------------------------------------------------------------------------------------------------------
 # Store kernel
 # --------------------------------------------------------------------------------------------------------
