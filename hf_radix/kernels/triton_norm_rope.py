@@ -56,8 +56,8 @@ def _rotate_heads(X, Out, sx_h, so_h, n_heads, cos_lo, cos_hi, sin_lo, sin_hi,
     tl.store(Out + heads * so_h + HALF + dims, out_hi.to(dtype), mask=mask)
 
 
-# the arguments that change with the number of tokens are not specialized on (no compile per new length)
-@triton.jit(do_not_specialize=["seq_len", "sq_b", "sk_b", "sc_b", "sqo_b", "sko_b"])
+# not specialized on the token count (a compile per new length); the strides keep their alignment facts
+@triton.jit(do_not_specialize=["seq_len"])
 def _rope_kernel(Q, K, Cos, Sin, Q_out, K_out, seq_len, n_q, n_k,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t,
                  HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
