@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -37,7 +36,9 @@ def _drift(values: list[float], reference: np.ndarray) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--alone", type=int, default=8, help="pairs also scored one at a time, cold cache")
     parser.add_argument("--json", type=Path)
@@ -46,7 +47,8 @@ def main() -> None:
     model = build_llama(False, device)
     pairs = make_workload(args.questions, 4, 1500, 100, (5, 20), model.config.vocab_size, 0)
     reference = np.array(reference_loglikelihood(model, pairs, device))
-    result: dict = {"pairs": len(pairs), "hf_batched": _drift(hf_loglikelihood(model, pairs, 16, device), reference)}
+    hf_batched = hf_loglikelihood(model, pairs, 16, device)
+    result: dict = {"pairs": len(pairs), "hf_batched": _drift(hf_batched, reference)}
     for backend in ("triton", "torch"):
         for chunk in (8192, 256):
             runner = RadixBatchRunner(model, max_total_tokens=100_000, attn_backend=backend,
