@@ -9,7 +9,9 @@ replaying a captured graph removes that. Two kinds:
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row with no prefix, all writing the scratch slot.
 
-Off CUDA the same padded batches run eagerly, so the padding logic is exercised on the CPU too.
+Graphs are captured with the model's Llama-style norms and rotary embeddings swapped for single Triton
+kernels (`fused_ops`). Off CUDA the same padded batches run eagerly, so the padding logic is exercised on
+the CPU too.
 """
 
 from __future__ import annotations

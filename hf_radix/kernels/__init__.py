@@ -1,4 +1,4 @@
-"""Custom kernels: Triton paged attention (extend / decode) and the CUDA KV-store kernel.
+"""Custom kernels: Triton paged attention (extend / decode), RMSNorm and rotary embedding, the CUDA KV store.
 
 Submodules are imported lazily so that ``import hf_radix.kernels`` does not pull in triton.
 """
@@ -12,6 +12,8 @@ _EXPORTS = {
     "extend_attention": "triton_attention",
     "decode_attention": "triton_attention",
     "pick_num_kv_splits": "triton_attention",
+    "rms_norm": "triton_norm_rope",
+    "rotary_embedding": "triton_norm_rope",
     "store_kv": "store",
     "cuda_store_available": "store",
     "build_store_kernel": "store",
