@@ -21,6 +21,8 @@ from types import CodeType, ModuleType
 import torch
 from transformers.models.llama import modeling_llama
 
+from .kernels import interpreting
+
 logger = logging.getLogger(__name__)
 
 ENABLED = True  # swap in the fused kernels while capturing (benchmarks turn it off to compare)
@@ -51,14 +53,25 @@ def _norm_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     original = module.forward
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
-        if hidden_states.stride(-1) != 1 or hidden_states.shape[-1] != module.weight.shape[-1]:
+        if (
+            not _kernel_runs_on(hidden_states)
+            or hidden_states.stride(-1) != 1
+            or hidden_states.shape[-1] != module.weight.shape[-1]
+        ):
             return original(hidden_states)
         return rms_norm(hidden_states, module.weight, module.variance_epsilon)
 
     return forward
 
 
+def _kernel_runs_on(tensor: torch.Tensor) -> bool:
+    """A CUDA tensor, or any under the Triton interpreter (a CPU model in another thread falls back)."""
+    return tensor.is_cuda or interpreting()
+
+
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    if not _kernel_runs_on(q):
+        return False
     if (q.dim(), k.dim(), cos.dim()) != (4, 4, 3) or cos.shape != sin.shape or cos.stride() != sin.stride():
         return False
     batch, _, seq_len, dim = q.shape

@@ -32,10 +32,14 @@ def test_swaps_llama_style_code_and_restores_it(arch: str) -> None:
     model = tiny_model(arch)
     namespace = sys.modules[type(model.model.layers[0].self_attn).__module__]
     original_rope = namespace.apply_rotary_pos_emb
-    with fused_ops.fused_norm_and_rope(model) as swapped:
+    ids = torch.randint(2, 384, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = model(input_ids=ids).logits
+    with fused_ops.fused_norm_and_rope(model) as swapped, torch.inference_mode():
         assert swapped == SWAPPED_NORMS[arch] + 1
         assert namespace.apply_rotary_pos_emb is not original_rope
         assert sum("forward" in vars(m) for m in model.modules()) == SWAPPED_NORMS[arch]
+        assert torch.equal(model(input_ids=ids).logits, plain)  # CPU tensors: HF's own code runs
     assert namespace.apply_rotary_pos_emb is original_rope
     assert not any("forward" in vars(m) for m in model.modules())
 
@@ -61,9 +65,11 @@ def test_leaves_instance_level_forwards_alone() -> None:
     assert hooked.forward(torch.ones(1)).item() == 1.0
 
 
-def test_rope_shapes_the_kernel_does_not_take_fall_back() -> None:
+def test_rope_shapes_the_kernel_does_not_take_fall_back(monkeypatch) -> None:
     q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
     cos = torch.zeros(1, 3, 16)
+    assert not fused_ops._rope_fits(q, k, cos, cos)  # CPU tensors outside the interpreter
+    monkeypatch.setattr(fused_ops, "interpreting", lambda: True)
     assert fused_ops._rope_fits(q, k, cos, cos)
     assert not fused_ops._rope_fits(q, k, cos.half(), cos.half())
     assert not fused_ops._rope_fits(q[..., :12], k[..., :12], cos[..., :12], cos[..., :12])  # not 2^n

@@ -6,6 +6,7 @@ Submodules are imported lazily so that ``import hf_radix.kernels`` does not pull
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 _EXPORTS = {
@@ -19,7 +20,12 @@ _EXPORTS = {
     "build_store_kernel": "store",
 }
 
-__all__ = list(_EXPORTS)
+__all__ = [*_EXPORTS, "interpreting"]
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def __getattr__(name: str) -> Any:

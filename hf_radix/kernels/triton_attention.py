@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
+
+from . import interpreting
 
 __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
 
@@ -417,10 +418,6 @@ def _merge_splits_kernel(
 # --------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=8)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -455,7 +452,7 @@ def _last_dim_contig(t: torch.Tensor) -> torch.Tensor:
 def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     if _EXTEND_CFG_OVERRIDE is not None:
         return dict(_EXTEND_CFG_OVERRIDE)
-    if device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     block_d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
@@ -491,7 +488,7 @@ def _launch(kind: str, kernel: Any, grid: Any, cfg: dict[str, int], safe: dict[s
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     if _DECODE_CFG_OVERRIDE is not None:
         return dict(_DECODE_CFG_OVERRIDE)
-    if device.type != "cuda" or _interpreting():
+    if device.type != "cuda" or interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     block_d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
