@@ -67,7 +67,6 @@ class RadixGenerateCache(RadixCache):
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
-        # (prompt ids, logits or None) of a first step run ahead of generate's first call
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
