@@ -172,7 +172,7 @@ class Scheduler:
             self._note_in_batch(in_batch, req, end)
         deferred: list[Req] = []
         ps = self.manager.page_size
-        while self.pending and budget > 0 and self._active() + len(items) < self.max_running_requests:
+        while self.pending and budget > 0 and self._active() < self.max_running_requests:
             req = self.pending[0]
             handle = self.manager.match(req.match_ids)
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
