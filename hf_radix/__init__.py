@@ -8,8 +8,9 @@ from .cache_utils import RadixCache, register_generate_support
 from .engine import RadixEngine, configure, get_engine
 from .radix_tree import IntegrityError
 from .request import RequestOutput
+from .runner import RadixBatchRunner
 from .sampling import SamplingParams
-from .scheduler import RadixBatchRunner, RunnerStats
+from .stats import RadixStats
 
 __all__ = [
     "IntegrityError",
@@ -17,7 +18,7 @@ __all__ = [
     "RadixCache",
     "RadixEngine",
     "RequestOutput",
-    "RunnerStats",
+    "RadixStats",
     "SamplingParams",
     "cache_stats",
     "configure",

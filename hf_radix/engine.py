@@ -12,30 +12,15 @@ import torch
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
+from .cache_utils import RadixCache
 from .forward_batch import ForwardBatch
 from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .model_runner import ModelRunner
+from .stats import RadixStats
 
 logger = logging.getLogger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
-
-
-@dataclass
-class CacheStats:
-    """Prefix-reuse counters of one engine, summed over every path that used it."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    forward_calls: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
@@ -47,10 +32,15 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
+    cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
+    cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
+    fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels in graphs
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
 
 
 @contextlib.contextmanager
@@ -83,15 +73,16 @@ class RadixEngine:
             shape, dtype, device, page_size, self.options.max_total_tokens, self.options.mem_fraction
         )
         num_pages = tokens // page_size
-        # One extra page past the managed ones: padded rows of captured decode graphs write there.
-        self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
-        self.scratch_slot = num_pages * page_size
-        self.manager = CacheManager(num_pages, page_size)
-        self.backend = make_backend(self.options.attn_backend, device)
-        self.stats = CacheStats()
         text_config = model.config.get_text_config(decoder=True)
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         self.vocab_size = text_config.vocab_size
+        # One extra page past the managed ones: padded rows of captured graphs write there.
+        self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
+        self.scratch_slot = num_pages * page_size
+        self.manager = CacheManager(num_pages, page_size, device=device, scratch_slot=self.scratch_slot)
+        self.backend = make_backend(self.options.attn_backend, device)
+        self.stats = RadixStats()
+        self._model_runner: ModelRunner | None = None
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.takes_logits_to_keep = "logits_to_keep" in params
@@ -104,10 +95,19 @@ class RadixEngine:
     def page_size(self) -> int:
         return self.pool.page_size
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The engine's model-runner core with its captured graphs, shared by generate and the runners."""
+        if self._model_runner is None:
+            options = self.options
+            self._model_runner = ModelRunner(
+                self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
+                fused_ops=options.fused_ops,
+            )
+        return self._model_runner
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
-        from .cache_utils import RadixCache
-
         cache = RadixCache(self, batch)
         with radix_attention(self.model), torch.inference_mode():
             out = self.model(
@@ -131,6 +131,7 @@ class RadixEngine:
         self.stats.forward_calls += 1
 
     def record_prompt(self, prompt_len: int, cached_len: int) -> None:
+        self.stats.requests += 1
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
 

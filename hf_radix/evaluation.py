@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .scheduler import RadixBatchRunner
+    from .runner import RadixBatchRunner
 
 Window = tuple[list[int], list[int]]
 

@@ -25,8 +25,6 @@ from .kernels import interpreting
 
 logger = logging.getLogger(__name__)
 
-ENABLED = True  # swap in the fused kernels while capturing (benchmarks turn it off to compare)
-
 
 def _same_code(fn: object, reference: Callable) -> bool:
     """Whether `fn` is a function with exactly `reference`'s bytecode, names and constants (docs aside)."""
@@ -117,19 +115,18 @@ def fused_norm_and_rope(model: torch.nn.Module) -> Iterator[int]:
     """
     undo: list[Callable[[], None]] = []
     try:
-        if ENABLED:
-            for module in model.modules():
-                # an instance-level forward (an accelerate hook, say) is left alone
-                if "forward" not in vars(module) and _same_code(
-                    type(module).forward, modeling_llama.LlamaRMSNorm.forward
-                ):
-                    module.forward = _norm_forward(module)
-                    undo.append(lambda m=module: vars(m).pop("forward", None))
-            for space in _llama_rope_namespaces(model):
-                original = space.apply_rotary_pos_emb
-                space.apply_rotary_pos_emb = _rope_function(original)
-                undo.append(lambda s=space, f=original: setattr(s, "apply_rotary_pos_emb", f))
-            logger.debug("fused norm/rope kernels swapped in: %d", len(undo))
+        for module in model.modules():
+            # an instance-level forward (an accelerate hook, say) is left alone
+            if "forward" not in vars(module) and _same_code(
+                type(module).forward, modeling_llama.LlamaRMSNorm.forward
+            ):
+                module.forward = _norm_forward(module)
+                undo.append(lambda m=module: vars(m).pop("forward", None))
+        for space in _llama_rope_namespaces(model):
+            original = space.apply_rotary_pos_emb
+            space.apply_rotary_pos_emb = _rope_function(original)
+            undo.append(lambda s=space, f=original: setattr(s, "apply_rotary_pos_emb", f))
+        logger.debug("fused norm/rope kernels swapped in: %d", len(undo))
         yield len(undo)
     finally:
         for restore in reversed(undo):

@@ -15,8 +15,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
-from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
-from .forward_batch import ForwardBatch, build_forward_batch
+from .forward_batch import ForwardBatch, StepRows, build_forward_batch
+from .model_runner import ModelRunner
+from .request import token_id_list
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -66,7 +67,7 @@ class RadixGenerateCache(RadixCache):
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
         self._inner = False  # inside one of our own prefill-chunk forwards
         self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
-        self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
+        self.model_runner: ModelRunner = engine.model_runner  # picks graph or eager for each step
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
@@ -95,20 +96,16 @@ class RadixGenerateCache(RadixCache):
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             _wait_for(ahead[2])
-        logits = ahead[1] if ahead is not None and ahead[1] is not None else self._graph_logits()
-        if logits is not None:
-            output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
+        if ahead is not None and ahead[1] is not None:
+            logits = ahead[1]
+        elif self._embeds is not None:
+            logits = self._eager(*self._make_batch(None, logits=True), inner, kwargs)
         else:
-            self.batch, packed_embeds = self._make_batch(None, logits=True)
-            call = {key: value for key, value in kwargs.items() if key != "cache_position"}
-            call.update(self._model_inputs(self.batch, packed_embeds))
-            call["attention_mask"] = None
-            output = inner(**call)
-            logits = output.logits[0]
-            if not self.supports_logits_to_keep:
-                logits = logits[self.batch.logits_indices]
-            self.engine.record_forward(self.batch.num_tokens)
-            self.batch = None
+            step = self._step()
+            self._allocate(step)
+            eager = functools.partial(self._eager, embeds=None, inner=inner, kwargs=kwargs)
+            logits = self.model_runner.forward(step, eager, copy=True)
+        output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         if self._logits_rows is not None:
             logits = logits[self._logits_rows]
         output.logits = logits[:, None, :]
@@ -166,7 +163,7 @@ class RadixGenerateCache(RadixCache):
         ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
         mask = call.get("attention_mask")
         if (
-            self.graphs is None
+            not self.model_runner.has_graphs
             or self.prefill_chunk_size
             or self.num_return_sequences != 1
             or not isinstance(ids, torch.Tensor)
@@ -178,11 +175,15 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
+        step = self._step()
+        logits = None
         stream = _ahead_stream(self.engine)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = self._graph_logits()
+        if self.model_runner.graph_fits(step):
+            with torch.cuda.stream(stream):
+                self._allocate(step)
+                logits = self.model_runner.forward(step, copy=True)
         if logits is not None and stream is not None:
             logits.record_stream(torch.cuda.current_stream())  # allocated on `stream`, read on this one
         self._ahead = (ids, logits, stream)
@@ -195,33 +196,34 @@ class RadixGenerateCache(RadixCache):
         ):
             raise RuntimeError("generate's first step is not the prompt it was given; radix cannot follow")
 
-    def _graph_logits(self) -> torch.Tensor | None:
-        """This step's packed logits from a captured graph (a decode step or a short extend); None: eager."""
-        if self.graphs is None or self._embeds is not None:
-            return None
-        decode, extend = self.graphs
+    def _step(self) -> StepRows:
+        """This step in page-table terms: every computing row from what is in the pool to its end."""
         rows = self._compute_rows()
-        new = [len(self.tokens[b]) - self.computed[b] for b in rows]
-        ends = [len(self.tokens[b]) for b in rows]
-        manager = self.engine.manager
-        if max(new) == 1 and decode.fits(len(rows), sum(ends)):
-            manager.allocate([self.rows[b] for b in rows], ends)
-            logits = decode.run(
-                [manager.row_slots(self.rows[b]) for b in rows],
-                [self.tokens[b][-1] for b in rows],
-                [end - 1 for end in ends],
-            )
-        elif extend.fits(len(rows), sum(new), sum(self.computed[b] for b in rows)):
-            manager.allocate([self.rows[b] for b in rows], ends)
-            logits = extend.run(
-                [manager.row_slots(self.rows[b]) for b in rows],
-                [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
-                [self.computed[b] for b in rows],
-            )
-        else:
-            return None
-        self.engine.record_forward(sum(new))
-        return logits.clone()  # the graph's output buffer is overwritten by the next replay
+        return StepRows.of(
+            [self.rows[b] for b in rows],
+            [self.computed[b] for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
+        )
+
+    def _allocate(self, step: StepRows) -> None:
+        self.engine.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
+
+    def _eager(
+        self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict
+    ) -> torch.Tensor:
+        """Generate's own model call on a packed batch (the step no graph runs); its packed logits."""
+        call = {key: value for key, value in kwargs.items() if key != "cache_position"}
+        self.batch = batch
+        try:
+            call.update(self._model_inputs(batch, embeds))
+            call["attention_mask"] = None
+            logits = inner(**call).logits[0]
+        finally:
+            self.batch = None
+        if not self.supports_logits_to_keep:
+            logits = logits[batch.logits_indices]
+        self.engine.record_forward(batch.num_tokens)
+        return logits
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
     def _open_rows(
@@ -307,13 +309,13 @@ class RadixGenerateCache(RadixCache):
         rows = list(ends)
         manager = self.engine.manager
         manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
-        batch = build_forward_batch(
-            [manager.row_slots(self.rows[b]) for b in rows],
-            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
+        step = StepRows.of(
+            [self.rows[b] for b in rows],
             [self.computed[b] for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
             None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
-            self.engine.device,
         )
+        batch = build_forward_batch(manager.table, step)
         packed = None
         if self._embeds is not None:
             packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
@@ -367,14 +369,14 @@ class RadixGenerateCache(RadixCache):
             # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
             tokens, row = self.tokens[b], self.rows[b]
             self.rows[b] = None
-            manager.release_row(row, tokens, self.computed[b])
+            manager.cache_req(row, tokens, self.computed[b], finished=True)
             handle = manager.match([*tokens, 0])
             manager.lock(handle)
             self.rows[b] = manager.open_row(handle)
             self.computed[b] = handle.cached_len
             manager.allocate([self.rows[b]], [len(tokens)])
-            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)]
-            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)]
+            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)].astype(np.int64)
+            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)].astype(np.int64)
             self.engine.pool.copy_slots(src, dst)
             self.computed[b] = len(tokens)
             manager.cache_req(self.rows[b], tokens, len(tokens), finished=False)
@@ -407,15 +409,13 @@ class RadixGenerateCache(RadixCache):
                 generated += keep - self.prompt_lens[b]
                 if row is not None:
                     self.rows[b] = None
-                    manager.release_row(row, tokens, 0 if self.opaque[b] else min(self.computed[b], keep))
+                    computed = 0 if self.opaque[b] else min(self.computed[b], keep)
+                    manager.cache_req(row, tokens, computed, finished=True)
         self.engine.stats.generated_tokens += generated
 
 
 _SUPPORTED_MODES = ("greedy_search", "sample")
 _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps and short prefills
-CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
-_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its captured graphs
 _ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> stream of steps run ahead
 _active_engines: set[int] = set()  # engines with a radix generate call in progress
 _active_lock = threading.Lock()
@@ -503,28 +503,10 @@ def _check_supported(model, config, kwargs: dict) -> None:
         )
 
 
-def _eos_ids(eos) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):
-        return [int(e) for e in eos.reshape(-1).tolist()]
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
 def _sequences(result) -> torch.Tensor | None:
     if isinstance(result, torch.Tensor):
         return result
     return getattr(result, "sequences", None)
-
-
-def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
-    """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
-    if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
-        return None
-    graphs = _graphs.get(engine)
-    if graphs is None:
-        graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), shared_extend_graphs(engine))
-    return graphs
 
 
 def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
@@ -573,7 +555,7 @@ def _radix_generate(original, model, kwargs: dict):
     engine = get_engine(model)
     cache = RadixGenerateCache(
         engine,
-        _eos_ids(config.eos_token_id),
+        token_id_list(config.eos_token_id),
         max_new_tokens=config.max_new_tokens,
         max_length=config.max_length,
         prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
@@ -589,7 +571,6 @@ def _radix_generate(original, model, kwargs: dict):
             setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
     cache.model_attention = model.config._attn_implementation
-    cache.graphs = _engine_graphs(engine)
     with _active_lock:
         if id(engine) in _active_engines:
             raise RuntimeError(

@@ -24,8 +24,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, resolve_max_length
 
 from .evaluation import loglikelihood_rolling
+from .runner import RadixBatchRunner
 from .sampling import SamplingParams
-from .scheduler import RadixBatchRunner
 
 logger = logging.getLogger(__name__)
 

@@ -227,7 +227,7 @@ def test_small_prefill_rounds_replay_extend_graphs(arch: str, page_size: int, ch
     """Rounds of <= 4 rows and 32 new tokens run as the padded batch a CUDA graph replays (eagerly here)."""
     runner = _runner(arch, page_size=page_size, chunked_prefill_size=chunk, max_running_requests=3)
     graphs = ExtendGraphs(runner.engine, max_rows=4, max_tokens=32)
-    runner._scheduler.extend_graphs = graphs
+    runner.model_runner.extend_graphs = graphs
     prompts = _workload(seed=3)
     _assert_matches_hf(arch, prompts, runner.run(prompts, SamplingParams(max_new_tokens=NEW)))
     runner.check_integrity()
