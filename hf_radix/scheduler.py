@@ -17,7 +17,7 @@ from .engine import RadixEngine, get_engine
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
-from .sampling import SamplingParams, SeededRows, sample
+from .sampling import Sampler, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
-        self.seeded = SeededRows(engine.device)
+        self.sampler = Sampler(engine.device)
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
         if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
@@ -309,7 +309,7 @@ class Scheduler:
             offset += n
 
     def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded).tolist()
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.index for r in reqs]).tolist()
         for req, token in zip(reqs, tokens):
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
@@ -336,7 +336,7 @@ class Scheduler:
         if req.row is not None:
             self.manager.release_row(req.row, req.token_ids, req.num_computed)
             req.row = None
-        self.seeded.drop(req.index)
+        self.sampler.drop(req.index)
         req.finish_reason, req.error = reason, error
         self._bar.update(1)
 
