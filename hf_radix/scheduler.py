@@ -18,6 +18,7 @@ from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
 from .sampling import Sampler, SamplingParams
+from .stop_strings import StopStringDetector
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
         self.sampler = Sampler(engine.device)
+        self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
         if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
@@ -321,11 +323,9 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.tokenizer.decode(req.generated[-window:], skip_special_tokens=False)
-            if any(s in tail for s in params.stop):
-                return "stop"
+        detector = self.stop_strings
+        if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
+            return "stop"
         if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
             return "length"
         return None
@@ -337,6 +337,8 @@ class Scheduler:
             self.manager.release_row(req.row, req.token_ids, req.num_computed)
             req.row = None
         self.sampler.drop(req.index)
+        if self.stop_strings is not None:
+            self.stop_strings.drop(req.index)
         req.finish_reason, req.error = reason, error
         self._bar.update(1)
 
