@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
 from .forward_batch import build_forward_batch
+from .logprobs import target_logprobs
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
 from .sampling import Sampler, SamplingParams
@@ -299,9 +300,7 @@ class Scheduler:
             return
         index = torch.cat([torch.arange(s.start, s.stop) for _, s, _ in scored]).to(logits.device)
         targets = torch.from_numpy(np.concatenate([t for _, _, t in scored])).to(logits.device)
-        chosen = logits[index].float()
-        logp = chosen.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-        greedy = chosen.argmax(-1) == targets
+        logp, greedy = target_logprobs(logits, index, targets)
         logp_host, greedy_host = logp.double().cpu().numpy(), greedy.cpu().numpy()
         offset = 0
         for req, rows, _ in scored:
