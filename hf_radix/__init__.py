@@ -4,8 +4,9 @@ Importing the package registers the "radix" attention and `cache_implementation=
 """
 
 from .attention import register as _register_attention
-from .cache_utils import RadixCache, register_generate_support
+from .cache_utils import RadixCache
 from .engine import RadixEngine, configure, get_engine
+from .generate_hook import register_generate_support
 from .radix_tree import IntegrityError
 from .request import RequestOutput
 from .runner import RadixBatchRunner

@@ -9,10 +9,10 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .forward_batch import ForwardBatch
+from .forward_context import ATTENTION_NAME, current_forward
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_NAME = "radix"
 BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
@@ -139,7 +139,7 @@ def radix_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """Attention over the pool for a packed `(1, T)` batch; the cache already stored this layer's K/V."""
-    cache = kwargs.get("radix_cache")
+    cache = current_forward()
     if cache is None or cache.batch is None:
         raise RuntimeError(
             "the 'radix' attention runs only inside hf_radix forwards (RadixBatchRunner or "

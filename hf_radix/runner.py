@@ -94,6 +94,10 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        with self.engine.lock:  # radix calls of other threads on this engine finish first
+            self._execute_locked(reqs, progress)
+
+    def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
         engine_stats = self.engine.stats

@@ -21,11 +21,13 @@ from transformers.utils import logging
 
 from .engine import RadixEngine
 from .forward_batch import StepRows
+from .logprobs import target_logprobs
 from .model_runner import ModelRunner
 from .page_table import to_device
 from .radix_tree import RadixPrefixCache
 from .request import Req
-from .sampling import SeededRows, sample
+from .sampling import Sampler
+from .stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 
@@ -84,7 +86,8 @@ class Scheduler:
         self.schedule_policy = schedule_policy
         self.overlap = overlap
         self.profile = profile and engine.device.type == "cuda"
-        self.seeded = SeededRows(engine.device)
+        self.sampler = Sampler(engine.device)
+        self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
         self.pending: deque[Req] = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -272,7 +275,7 @@ class Scheduler:
             chosen = logits
             if len(sample_rows) != len(logits):
                 chosen = logits[to_device(np.array(sample_rows), logits.device)]
-            tokens = sample(chosen, [r.params for r in sampled], [r.index for r in sampled], self.seeded)
+            tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
             self.manager.table.set_next_tokens(
                 to_device(np.fromiter((r.row for r in sampled), dtype=np.int64), logits.device), tokens
             )
@@ -316,9 +319,7 @@ class Scheduler:
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
         index = to_device(np.concatenate(rows), logits.device)
         target = to_device(np.concatenate(targets), logits.device)
-        chosen = logits[index].float()
-        logp = chosen.log_softmax(-1).gather(-1, target[:, None])[:, 0]
-        greedy = chosen.argmax(-1) == target
+        logp, greedy = target_logprobs(logits, index, target)
         return _copy_to_host(logp.double()), _copy_to_host(greedy)
 
     # -- completing a step ---------------------------------------------------------------------------
@@ -352,11 +353,9 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.tokenizer.decode(req.generated[-window:], skip_special_tokens=False)
-            if any(s in tail for s in params.stop):
-                return "stop"
+        detector = self.stop_strings
+        if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
+            return "stop"
         if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
             return "length"
         return None
@@ -377,7 +376,9 @@ class Scheduler:
             known = len(req.token_ids) - (1 if req.generated else 0)
             self.manager.cache_req(req.row, req.token_ids, min(req.num_computed, known), finished=True)
             req.row = None
-        self.seeded.drop(req.index)
+        self.sampler.drop(req.index)
+        if self.stop_strings is not None:
+            self.stop_strings.drop(req.index)
         req.finish_reason, req.error = reason, error
         self._bar.update(1)
 

@@ -19,7 +19,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
-from hf_radix import generation
+from hf_radix import generate_session
 from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.engine import _ENGINE_ATTR
 from hf_radix.tiny import tiny_model
@@ -129,7 +129,7 @@ def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
     def refuse(*args, **kwargs):
         raise AssertionError("RadixGenerateCache built for a default generate call")
 
-    monkeypatch.setattr(generation.RadixGenerateCache, "__init__", refuse)
+    monkeypatch.setattr(generate_session.RadixGenerateCache, "__init__", refuse)
     model = fresh_model("llama")
     prompts = [random_ids(gen, 7), random_ids(gen, 4)]
     _generate(model, prompts, False, max_new_tokens=3)

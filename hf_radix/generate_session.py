@@ -1,11 +1,12 @@
-"""`generate(..., cache_implementation="radix")`: the per-call RadixGenerateCache and the call wrapper."""
+"""The per-call side of `generate(..., cache_implementation="radix")`: the Cache one call runs with.
+
+`RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`) that also keeps
+the call's rows: it turns each padded step of generate into the rows of a step for the model-runner core.
+"""
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
-import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -14,10 +15,10 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
+from .cache_utils import RadixCache
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
+from .forward_context import current_forward, model_attention, radix_forward
 from .model_runner import ModelRunner
-from .request import token_id_list
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -65,8 +66,6 @@ class RadixGenerateCache(RadixCache):
         self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
-        self._inner = False  # inside one of our own prefill-chunk forwards
-        self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.model_runner: ModelRunner = engine.model_runner  # picks graph or eager for each step
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
@@ -81,17 +80,13 @@ class RadixGenerateCache(RadixCache):
         Decode steps replay a captured CUDA graph when one is available; other calls made to the model
         during the call (a runner's, classifier-free guidance's own pass) run untouched.
         """
-        if self._inner or "radix_cache" in kwargs:
+        if current_forward() is not None:
             return inner(*args, **kwargs)  # our own prefill chunk, or a runner's forward inside generate
         if kwargs.get(self.engine.cache_kwarg) is not self:
-            # Not generate's step (e.g. classifier-free guidance's unconditional pass, with its own cache):
-            # it runs with the model's own attention.
-            previous = model.config._attn_implementation
-            model.config._attn_implementation = self.model_attention
-            try:
+            # Not generate's step (classifier-free guidance's unconditional pass with its own cache, or a
+            # plain call from another thread): it runs with the model's own attention.
+            with model_attention():
                 return inner(*args, **kwargs)
-            finally:
-                model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -217,7 +212,8 @@ class RadixGenerateCache(RadixCache):
         try:
             call.update(self._model_inputs(batch, embeds))
             call["attention_mask"] = None
-            logits = inner(**call).logits[0]
+            with radix_forward(self):
+                logits = inner(**call).logits[0]
         finally:
             self.batch = None
         if not self.supports_logits_to_keep:
@@ -326,7 +322,6 @@ class RadixGenerateCache(RadixCache):
             "input_ids": batch.input_ids[None] if embeds is None else None,
             "inputs_embeds": embeds,
             "position_ids": batch.positions[None],
-            "radix_cache": self,
             self.engine.cache_kwarg: self,
         }
         if self.supports_logits_to_keep:
@@ -349,11 +344,12 @@ class RadixGenerateCache(RadixCache):
             if not ends:
                 return
             batch, embeds = self._make_batch(ends, logits=False)
-            self.batch, self._inner = batch, True
+            self.batch = batch
             try:
-                module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
+                with radix_forward(self):
+                    module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
             finally:
-                self.batch, self._inner = None, False
+                self.batch = None
             self.engine.record_forward(batch.num_tokens)
             for b, end in ends.items():
                 self.computed[b] = end
@@ -414,99 +410,7 @@ class RadixGenerateCache(RadixCache):
         self.engine.stats.generated_tokens += generated
 
 
-_SUPPORTED_MODES = ("greedy_search", "sample")
-_TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> stream of steps run ahead
-_active_engines: set[int] = set()  # engines with a radix generate call in progress
-_active_lock = threading.Lock()
-
-
-def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | None:
-    if "cache_implementation" in kwargs:
-        return kwargs["cache_implementation"]
-    config = args[1] if len(args) > 1 else kwargs.get("generation_config")
-    value = getattr(config, "cache_implementation", None)  # a config object's None defers to the model's
-    return value if value is not None else getattr(model.generation_config, "cache_implementation", None)
-
-
-@functools.cache
-def _positional_names(original: Callable) -> tuple[str, ...]:
-    """Names of `generate`'s parameters (after `self`) that can be passed by position."""
-    params = list(inspect.signature(original).parameters.values())[1:]
-    return tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
-    """`generate`'s positional arguments (after `self`) turned into keywords."""
-    if not args:
-        return dict(kwargs)
-    names = _positional_names(original)
-    if len(args) > len(names):
-        raise TypeError(f"generate() takes at most {len(names)} positional arguments, got {len(args)}")
-    out = dict(kwargs)
-    for name, value in zip(names, args, strict=False):
-        if name in out:
-            raise TypeError(f"generate() got multiple values for argument {name!r}")
-        out[name] = value
-    return out
-
-
-def _effective_config(model, kwargs: dict):
-    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords.
-
-    Generate's own `_prepare_generation_config` with the model's defaults as the explicit base: that skips
-    its legacy scan of `model.config` for generation parameters (a millisecond, before the first step can
-    start); generate itself still makes it and raises.
-    """
-    base = kwargs.get("generation_config")
-    config, _ = model._prepare_generation_config(model.generation_config if base is None else base)
-    config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
-    return config
-
-
-def _check_supported(model, config, kwargs: dict) -> None:
-    """Raises a ValueError naming the alternative for everything the radix path cannot do."""
-    if model.config.is_encoder_decoder:
-        raise ValueError("cache_implementation='radix' supports decoder-only models")
-    mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
-    if mode not in _SUPPORTED_MODES:
-        if mode is not None and "beam" in mode:
-            raise ValueError(
-                "cache_implementation='radix' does not support beam search (num_beams > 1); use num_beams=1 "
-                "(greedy, or do_sample=True with num_return_sequences for several answers), or drop "
-                "cache_implementation='radix' to run beam search on the default cache"
-            )
-        if mode == "assisted_generation":
-            raise ValueError(
-                "cache_implementation='radix' does not support assisted decoding (assistant_model, "
-                "prompt_lookup_num_tokens, assistant_early_exit); drop those arguments, or drop "
-                "cache_implementation='radix' to run assisted decoding on the default cache"
-            )
-        raise ValueError(
-            f"cache_implementation='radix' supports greedy decoding and sampling, not {mode!r}; use those, "
-            "or drop cache_implementation='radix' to use the default cache"
-        )
-    if config.use_cache is False:
-        raise ValueError(
-            "cache_implementation='radix' is a KV cache and needs use_cache=True; drop use_cache=False, or "
-            "drop cache_implementation='radix' to generate without a cache"
-        )
-    if config.output_attentions or config.output_hidden_states:
-        raise ValueError(
-            "cache_implementation='radix' cannot return attentions or hidden states (its attention computes "
-            "neither); drop output_attentions / output_hidden_states, or use the default cache"
-        )
-    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
-        raise ValueError(
-            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
-            "cached prefix is reused automatically) and no past_key_values"
-        )
-
-
-def _sequences(result) -> torch.Tensor | None:
-    if isinstance(result, torch.Tensor):
-        return result
-    return getattr(result, "sequences", None)
+_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> side stream
 
 
 def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
@@ -523,85 +427,3 @@ def _wait_for(stream: torch.cuda.Stream | None) -> None:
     """Orders the current stream's later work after everything queued on `stream` so far."""
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
-
-
-def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callable[[], None]:
-    """Sends the model's forward through `cache.forward` (signature kept); returns the undo."""
-    own = vars(model)
-    had, previous = "forward" in own, own.get("forward")
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        return cache.forward(model, inner, args, kwargs)
-
-    model.forward = forward
-
-    def restore() -> None:
-        if had:
-            model.forward = previous
-        else:
-            own.pop("forward", None)
-
-    return restore
-
-
-def _radix_generate(original, model, kwargs: dict):
-    """Runs `original` generate with a RadixGenerateCache routing the model's forward; always cleans up."""
-    from .engine import get_engine, radix_attention
-
-    config = _effective_config(model, kwargs)
-    _check_supported(model, config, kwargs)
-    engine = get_engine(model)
-    cache = RadixGenerateCache(
-        engine,
-        token_id_list(config.eos_token_id),
-        max_new_tokens=config.max_new_tokens,
-        max_length=config.max_length,
-        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
-        num_return_sequences=config.num_return_sequences or 1,
-        logits_to_keep=engine.takes_logits_to_keep,
-    )
-    # generate must not see what the radix path takes over: not in keywords, not in a config object (a
-    # copy; the user's stays untouched), not in the model's defaults (restored when the call ends).
-    call = {key: value for key, value in kwargs.items() if key not in _TAKEN_OVER}
-    if call.get("generation_config") is not None:
-        call["generation_config"] = copy.deepcopy(call["generation_config"])
-        for name in _TAKEN_OVER:
-            setattr(call["generation_config"], name, None)
-    call[engine.cache_kwarg] = cache
-    cache.model_attention = model.config._attn_implementation
-    with _active_lock:
-        if id(engine) in _active_engines:
-            raise RuntimeError(
-                "another generate(cache_implementation='radix') is running on this model; run the calls one "
-                "after another or pass the prompts as one batch"
-            )
-        _active_engines.add(id(engine))
-    defaults = model.generation_config
-    saved = {name: value for name in _TAKEN_OVER if (value := getattr(defaults, name, None)) is not None}
-    result = None
-    try:
-        for name in saved:
-            setattr(defaults, name, None)
-        restore_forward = _route_forward(model, cache)
-        try:
-            with radix_attention(model):
-                cache.prefill_ahead(call)
-                result = original(model, **call)
-        finally:
-            restore_forward()
-            cache.finish(_sequences(result))
-    finally:
-        for name, value in saved.items():
-            setattr(defaults, name, value)
-        with _active_lock:
-            _active_engines.discard(id(engine))
-    return result
-
-
-def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
-    """Runs `original` generate; through the radix path when the call asks for the "radix" cache."""
-    if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
-        return original(model, *args, **kwargs)
-    return _radix_generate(original, model, _as_keywords(original, args, kwargs))
