@@ -27,12 +27,12 @@ from .page_table import to_device
 from .radix_tree import RadixPrefixCache
 from .request import Req
 from .sampling import Sampler
+from .schedule_policy import PrefixAwareQueue
 from .stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
-LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
 Item = tuple[Req, int, int]  # a request and the positions [start, end) a step computes for it
@@ -88,7 +88,7 @@ class Scheduler:
         self.profile = profile and engine.device.type == "cuda"
         self.sampler = Sampler(engine.device)
         self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
-        self.pending: deque[Req] = deque()
+        self.pending: deque[Req] | PrefixAwareQueue = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.draining: list[Req] = []  # every token launched; waiting for the last results
@@ -99,9 +99,13 @@ class Scheduler:
     def run(self, reqs: list[Req], progress: bool) -> None:
         """Runs `reqs` to completion (or error); on any exception releases everything it holds."""
         ready = [r for r in reqs if self._admissible(r)]
-        if self.schedule_policy == "lpm" and len(ready) <= LPM_MAX_QUEUE:
-            ready.sort(key=lambda r: r.token_ids)  # depth-first order of the prompts' trie
-        self.pending = deque(ready)
+        if self.schedule_policy == "lpm":
+            manager = self.manager
+            self.pending = PrefixAwareQueue(
+                ready, lambda ids: manager.match(ids).cached_len, lambda: manager.evicted_tokens
+            )
+        else:
+            self.pending = deque(ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self._bar = bar
