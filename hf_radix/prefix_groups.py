@@ -59,11 +59,13 @@ class SharedPrefixCost:
     def group_gain_s(self, new_lens: np.ndarray, prefix_len: int) -> float:
         """Seconds saved by reading a ``prefix_len``-token prefix once for rows with ``new_lens`` queries."""
         new_lens = np.asarray(new_lens, dtype=np.int64)
-        if len(new_lens) < 2 or prefix_len <= 0:
+        if np.count_nonzero(new_lens) < 2 or prefix_len <= 0:
             return 0.0
         group = self.q_heads_per_kv
         rows_m = np.where(new_lens * group <= 16, 16, -(-new_lens * group // self.tile_rows) * self.tile_rows)
-        per_row = self._seconds(prefix_len * len(new_lens), float(rows_m.sum()), prefix_len, 0)
+        rows_m[new_lens == 0] = 0  # a row without queries reads nothing
+        readers = int(np.count_nonzero(new_lens))
+        per_row = self._seconds(prefix_len * readers, float(rows_m.sum()), prefix_len, 0)
         tile_q = max(1, self.tile_rows // group)
         shared_m = -(-int(new_lens.sum()) // tile_q) * self.tile_rows
         shared = self._seconds(prefix_len, shared_m, prefix_len, float(new_lens.sum()))

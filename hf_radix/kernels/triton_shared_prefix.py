@@ -205,8 +205,8 @@ def _shared_prefix_merge_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    shared = tl.load(QShared + tok) != 0
-    s_mask = (offs_s < num_parts) & ((offs_s >= num_prefix_parts) | shared)
+    first = tl.where(tl.load(QShared + tok) != 0, 0, num_prefix_parts)
+    s_mask = (offs_s >= first) & (offs_s < num_parts)
     lse = tl.load(Mid_lse + tok * stride_lt + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
     if HAS_SINKS:
