@@ -249,6 +249,46 @@ def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
     assert_check_passed(interp_report, name)
 
 
+# --------------------------------------------------------------------------------------------------------
+# sm_90 compile checks (no GPU needed): the configs the GPU would use fit an H100/H200
+# --------------------------------------------------------------------------------------------------------
+
+H100_SMEM = 232448  # bytes of shared memory a block may use on sm_90
+
+
+@pytest.mark.parametrize(
+    "block_m,tile_q,window,softcap,sinks,final,head_dim",
+    [(128, 32, False, False, False, False, 128), (16, 1, True, True, True, True, 128),
+     (128, 64, True, False, True, False, 256)],
+)
+def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softcap: bool, sinks: bool,
+                                  final: bool, head_dim: int) -> None:
+    compile_test = pytest.importorskip("test_kernels_compile")
+    import triton
+
+    from hf_radix.kernels import triton_shared_prefix as sp
+
+    group = block_m // tile_q if block_m >= tile_q * 4 else 4
+    pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
+    pointers.update({name: "*i32" for name in ("Tiles", "Queries", "QPos", "QShared")})
+    pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
+                    cap_scale="fp32")
+    block_d = triton.next_power_of_2(head_dim)
+    cfg = sp.tile_config(block_m, head_dim, torch.bfloat16, torch.device("cuda"))
+    constexprs = dict(GROUP=group, TILE_Q=tile_q, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
+                      BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=window, SOFTCAP=softcap, HAS_SINKS=sinks,
+                      FINAL=final, DOT_PREC="tf32")
+    kernel = compile_test._compile(sp._shared_prefix_tile_kernel, pointers, constexprs, cfg["num_warps"],
+                                   cfg["num_stages"])
+    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    assert kernel.metadata.shared <= H100_SMEM, kernel.metadata.shared
+    merge = compile_test._compile(
+        sp._shared_prefix_merge_kernel,
+        {"Mid_o": "*fp32", "Mid_lse": "*fp32", "QShared": "*i32", "Sinks": "*fp32", "Out": "*bf16"},
+        dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=8, HAS_SINKS=sinks), num_warps=4, num_stages=1)
+    assert merge.asm["cubin"]
+
+
 if __name__ == "__main__":
     if "--interp" in sys.argv:
         _interp_main()

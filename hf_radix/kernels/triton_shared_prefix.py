@@ -52,8 +52,8 @@ __all__ = ["shared_prefix_attention", "tile_config"]
 LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural-log logits; the kernels work in base 2
 _SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
-# Optional launch-config override (tests / benchmarks): keys BLOCK_N, num_warps, num_stages.
-_CFG_OVERRIDE: dict[str, int] | None = None
+# Optional launch-config overrides (tests / benchmarks) by BLOCK_M: keys BLOCK_N, num_warps, num_stages.
+_CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -241,8 +241,8 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     tiles: BLOCK_N 64 with 8 warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages
     (Q 32 KB + 3 x 32 KB of K/V in shared memory at head_dim 128 in bf16; 2 stages at head_dim 256).
     """
-    if _CFG_OVERRIDE is not None:
-        return dict(_CFG_OVERRIDE)
+    if block_m in _CFG_OVERRIDE:
+        return dict(_CFG_OVERRIDE[block_m])
     if device.type != "cuda" or interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     block_d = triton.next_power_of_2(head_dim)
