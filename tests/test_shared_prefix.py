@@ -173,11 +173,10 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
         dict(groups=DECODE_GROUPS, hq=6, hkv=2, d=16, page_size=4, alone=[(45, 1)]),
         dict(num_prefix_splits=2, num_suffix_splits=3, sliding_window=19, softcap=3.0, sinks=True),
         dict(tile_rows=12)),
-    "decode_final_window_sinks_d24": (
-        dict(groups=[DECODE_GROUPS[0], DECODE_GROUPS[3]], hq=2, hkv=1, d=24, page_size=4),
+    "decode_fp16_final_window_sinks_d24": (
+        dict(groups=[DECODE_GROUPS[0], DECODE_GROUPS[3]], hq=2, hkv=1, d=24, page_size=4,
+             dtype=torch.float16),
         dict(num_prefix_splits=2, sliding_window=13, sinks=True), {}),
-    "decode_fp16": (dict(groups=DECODE_GROUPS, hq=4, hkv=2, d=16, dtype=torch.float16),
-                    dict(num_prefix_splits=2), {}),
     "extend_p1": (dict(groups=EXTEND_GROUPS, hq=4, hkv=2, d=16, alone=[(6, 9)],
                        order=[4, 0, 7, 2, 6, 1, 5, 3]),
                   {}, dict(tile_rows=8)),
