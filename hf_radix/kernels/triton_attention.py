@@ -22,19 +22,19 @@ applied after scaling and before masking.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from transformers.utils import logging
 from triton.runtime.errors import OutOfResources
 
 from . import interpreting
 
 __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _LOG2E = 1.4426950408889634
 PACK_GQA_MAX_NEW = 128  # extends of at most this many new tokens per row pack grouped query heads
