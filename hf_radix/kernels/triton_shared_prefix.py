@@ -22,7 +22,8 @@ inside a CUDA graph; every size the launch needs is a python int known to the ca
 
 Attention sinks (gpt-oss ``s_aux``: one logit per query head added to the softmax denominator only) are
 added exactly once, where the parts are combined. All softmax math is fp32 in base 2, as in
-:mod:`hf_radix.kernels.triton_attention`, whose device helpers these kernels share.
+:mod:`hf_radix.kernels.triton_attention`, whose device helpers (``triton_attention_common``) these
+kernels share.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import triton.language as tl
 
 from ..prefix_groups import TILE_FIELDS, SharedPrefixBuffers
 from . import interpreting
-from .triton_attention import (
+from .triton_attention_common import (
     _check_common,
     _dot_prec,
     _last_dim_contig,
