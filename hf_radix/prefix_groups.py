@@ -150,6 +150,7 @@ def build_shared_prefix_plan(
     cost: SharedPrefixCost,
     page_size: int = 1,
     slots: np.ndarray | None = None,
+    suffix_tile_q: int | None = None,
 ) -> SharedPrefixPlan:
     """Groups a batch's rows by their cached-prefix tree node and builds the tile tables.
 
@@ -158,7 +159,9 @@ def build_shared_prefix_plan(
     names the tree node holding the row's shared cached prefix (negative: none) and ``shared_lens[i]`` that
     node's page-aligned prefix length; rows naming one node form a group. A group whose modelled gain is not
     positive is dissolved into rows alone. With ``slots`` (the flat slot array), each group's rows are
-    checked to hold the same slots for the shared prefix.
+    checked to hold the same slots for the shared prefix. Prefix tiles hold ``cost.tile_rows`` (query,
+    head) rows; suffix tiles hold ``suffix_tile_q`` queries of one row (default: 1 if every row adds one
+    token, else as many as a prefix tile; fix it to share buffers between both kinds of batch).
     """
     node_ids = np.asarray(node_ids, dtype=np.int64)
     shared_lens = np.asarray(shared_lens, dtype=np.int64)
@@ -176,30 +179,10 @@ def build_shared_prefix_plan(
     if page_size > 1 and (shared_lens[has_node] % page_size).any():
         raise ValueError(f"shared prefix lengths must be multiples of the page size ({page_size})")
 
-    # ---- groups: rows naming the same node, in order of first appearance; then rows alone ----
-    nodes, first, inverse, counts = np.unique(node_ids[has_node], return_index=True, return_inverse=True,
-                                              return_counts=True)
-    node_row = np.flatnonzero(has_node)
-    node_len = shared_lens[node_row[first]]
-    if (shared_lens[node_row] != node_len[inverse]).any():
-        raise ValueError("rows of one tree node must have the same shared prefix length")
+    row_group, num_shared, total_gain = _form_groups(node_ids, shared_lens, new_lens, cost)
+    num_groups = int(row_group.max(initial=-1)) + 1
     qo = np.zeros(batch + 1, dtype=np.int64)
     np.cumsum(new_lens, out=qo[1:])
-    gains = np.zeros(len(nodes))
-    by_node = np.split(new_lens[node_row[np.argsort(inverse, kind="stable")]], np.cumsum(counts)[:-1])
-    for n in np.flatnonzero((counts > 1) & (node_len > 0)):
-        gains[n] = cost.group_gain_s(by_node[n], int(node_len[n]))
-    keep = gains > 0.0
-    order = np.argsort(first[keep], kind="stable")
-    kept_nodes = np.flatnonzero(keep)[order]
-    num_shared = len(kept_nodes)
-    node_group = np.full(len(nodes), -1, dtype=np.int64)
-    node_group[kept_nodes] = np.arange(num_shared)
-    row_group = np.full(batch, -1, dtype=np.int64)
-    row_group[node_row] = node_group[inverse]
-    alone = np.flatnonzero(row_group < 0)
-    row_group[alone] = num_shared + np.arange(len(alone))
-    num_groups = num_shared + len(alone)
     group_rows = np.argsort(row_group, kind="stable")
     group_sizes = np.bincount(row_group, minlength=num_groups)
     group_row_indptr = np.zeros(num_groups + 1, dtype=np.int64)
@@ -221,15 +204,15 @@ def build_shared_prefix_plan(
     prefix_tiles = _table(group_kv_start[seg], np.zeros_like(seg), group_prefix_len[seg], q_start, q_len)
 
     # ---- suffix tiles: chunks of each row's query tokens over its own context ----
-    suffix_q = group_q if (new_lens > 1).any() else 1
-    seg, q_start, q_len = _chunks(qo[:-1], new_lens, suffix_q)
+    if suffix_tile_q is None:
+        suffix_tile_q = group_q if (new_lens > 1).any() else 1
+    seg, q_start, q_len = _chunks(qo[:-1], new_lens, suffix_tile_q)
     suffix_start = kv_starts + row_prefix
     suffix_len = seq_lens - row_prefix
     suffix_tiles = _table(suffix_start[seg], row_prefix[seg], suffix_len[seg], q_start, q_len)
 
     token_row = np.repeat(np.arange(batch), new_lens)
     query_pos = (seq_lens - new_lens)[token_row] + np.arange(int(qo[-1])) - qo[token_row]
-    total_gain = float(gains[kept_nodes].sum())
     return SharedPrefixPlan(
         row_group=row_group,
         group_row_indptr=group_row_indptr,
@@ -245,10 +228,36 @@ def build_shared_prefix_plan(
         query_pos=query_pos.astype(np.int32),
         query_shared=row_prefix[token_row].astype(np.int32),
         prefix_tile_q=group_q,
-        suffix_tile_q=suffix_q,
+        suffix_tile_q=suffix_tile_q,
         gain_s=total_gain,
         use_shared=num_shared > 0 and cost.worth_it(total_gain),
     )
+
+
+def _form_groups(node_ids: np.ndarray, shared_lens: np.ndarray, new_lens: np.ndarray,
+                 cost: SharedPrefixCost) -> tuple[np.ndarray, int, float]:
+    """(group of each row, number of shared groups, their modelled gain): rows naming one node, if the
+    cost rule keeps it, numbered in order of first appearance; then each other row alone."""
+    has_node = node_ids >= 0
+    nodes, first, inverse, counts = np.unique(node_ids[has_node], return_index=True, return_inverse=True,
+                                              return_counts=True)
+    node_row = np.flatnonzero(has_node)
+    node_len = shared_lens[node_row[first]]
+    if (shared_lens[node_row] != node_len[inverse]).any():
+        raise ValueError("rows of one tree node must have the same shared prefix length")
+    gains = np.zeros(len(nodes))
+    by_node = np.split(new_lens[node_row[np.argsort(inverse, kind="stable")]], np.cumsum(counts)[:-1])
+    for n in np.flatnonzero((counts > 1) & (node_len > 0)):
+        gains[n] = cost.group_gain_s(by_node[n], int(node_len[n]))
+    kept = np.flatnonzero(gains > 0.0)
+    kept = kept[np.argsort(first[kept], kind="stable")]
+    node_group = np.full(len(nodes), -1, dtype=np.int64)
+    node_group[kept] = np.arange(len(kept))
+    row_group = np.full(len(node_ids), -1, dtype=np.int64)
+    row_group[node_row] = node_group[inverse]
+    alone = np.flatnonzero(row_group < 0)
+    row_group[alone] = len(kept) + np.arange(len(alone))
+    return row_group, len(kept), float(gains[kept].sum())
 
 
 def _check_shared_slots(slots: np.ndarray, kv_starts: np.ndarray, row_prefix: np.ndarray,
