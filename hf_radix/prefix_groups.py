@@ -45,6 +45,7 @@ class SharedPrefixCost:
     bandwidth: float = 4.0e12  # bytes/s
     flops: float = 6.0e14  # dense bf16 FLOP/s reachable by these kernels
     launch_s: float = 4e-6  # an extra kernel launch (and its tail) inside a CUDA graph
+    keep_all: bool = False  # keep every group of two readers or more, whatever its gain (tests, benchmarks)
 
     @property
     def q_heads_per_kv(self) -> int:
@@ -158,10 +159,10 @@ def build_shared_prefix_plan(
     its query tokens, packed row after row as in :class:`hf_radix.forward_batch.ForwardBatch`. ``node_ids[i]``
     names the tree node holding the row's shared cached prefix (negative: none) and ``shared_lens[i]`` that
     node's page-aligned prefix length; rows naming one node form a group. A group whose modelled gain is not
-    positive is dissolved into rows alone. With ``slots`` (the flat slot array), each group's rows are
-    checked to hold the same slots for the shared prefix. Prefix tiles hold ``cost.tile_rows`` (query,
-    head) rows; suffix tiles hold ``suffix_tile_q`` queries of one row (default: 1 if every row adds one
-    token, else as many as a prefix tile; fix it to share buffers between both kinds of batch).
+    positive is dissolved into rows alone (unless ``cost.keep_all``). With ``slots`` (the flat slot array),
+    each group's rows are checked to hold the same slots for the shared prefix. Prefix tiles hold
+    ``cost.tile_rows`` (query, head) rows; suffix tiles hold ``suffix_tile_q`` queries of one row (default:
+    1 if every row adds one token, else as many as a prefix tile; fix it to share buffers between both).
     """
     node_ids = np.asarray(node_ids, dtype=np.int64)
     shared_lens = np.asarray(shared_lens, dtype=np.int64)
@@ -247,9 +248,11 @@ def _form_groups(node_ids: np.ndarray, shared_lens: np.ndarray, new_lens: np.nda
         raise ValueError("rows of one tree node must have the same shared prefix length")
     gains = np.zeros(len(nodes))
     by_node = np.split(new_lens[node_row[np.argsort(inverse, kind="stable")]], np.cumsum(counts)[:-1])
-    for n in np.flatnonzero((counts > 1) & (node_len > 0)):
+    readers = np.array([np.count_nonzero(lens) for lens in by_node], dtype=np.int64)
+    eligible = (readers > 1) & (node_len > 0)
+    for n in np.flatnonzero(eligible):
         gains[n] = cost.group_gain_s(by_node[n], int(node_len[n]))
-    kept = np.flatnonzero(gains > 0.0)
+    kept = np.flatnonzero(eligible & (cost.keep_all | (gains > 0.0)))
     kept = kept[np.argsort(first[kept], kind="stable")]
     node_group = np.full(len(nodes), -1, dtype=np.int64)
     node_group[kept] = np.arange(len(kept))

@@ -7,7 +7,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_shared_prefix import AlwaysShare
 
 from hf_radix.prefix_groups import (
     SharedPrefixBuffers,
@@ -19,7 +18,7 @@ from hf_radix.prefix_groups import (
 LLAMA_BF16 = SharedPrefixCost(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, prefix_parts=4)
 
 
-ALWAYS = AlwaysShare(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
+ALWAYS = SharedPrefixCost(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, keep_all=True)
 
 
 def plan_of(node_ids, shared_lens, seq_lens, new_lens=None, cost=LLAMA_BF16, **kw) -> SharedPrefixPlan:
@@ -53,7 +52,7 @@ def test_groups_by_node_in_order_of_appearance_and_rows_alone() -> None:
 
 
 def test_extend_tiles_chunk_each_group_and_row() -> None:
-    cost = AlwaysShare(8, 2, 64, 2, tile_rows=16)  # 4 queries a tile
+    cost = SharedPrefixCost(8, 2, 64, 2, tile_rows=16, keep_all=True)  # 4 queries a tile
     # rows: (seq, new) = (30, 6), (25, 0), (28, 3); all behind node 1 (shared 16), then a row alone (10, 5)
     plan = plan_of([1, 1, 1, -1], [16, 16, 16, 0], [30, 25, 28, 10], [6, 0, 3, 5], cost=cost)
     assert plan.prefix_tile_q == 4 and plan.suffix_tile_q == 4
@@ -128,7 +127,8 @@ def batches(draw):
 @given(batches())
 def test_tiles_cover_each_query_once_and_fit_static_buffers(batch) -> None:
     node, shared, seq, new, page, tile_rows = batch
-    plan = plan_of(node, shared, seq, new, cost=AlwaysShare(4, 2, 16, 4, tile_rows=tile_rows), page_size=page)
+    cost = SharedPrefixCost(4, 2, 16, 4, tile_rows=tile_rows, keep_all=True)
+    plan = plan_of(node, shared, seq, new, cost=cost, page_size=page)
     new = np.asarray(new)
     tokens = int(new.sum())
     qo = np.concatenate([[0], np.cumsum(new)])

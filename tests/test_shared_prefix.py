@@ -77,17 +77,11 @@ def subset_case(case: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return sub
 
 
-class AlwaysShare(SharedPrefixCost):
-    """Keeps every group of two rows or more (kernel tests must not depend on the cost model's verdict)."""
-
-    def group_gain_s(self, new_lens: np.ndarray, prefix_len: int) -> float:
-        return 1.0 if np.count_nonzero(new_lens) > 1 and prefix_len > 0 else 0.0
-
-
 def case_plan(case: dict[str, Any], tile_rows: int = 128, prefix_parts: int = 1, **kw: Any):
     dtype_bytes = case["q"].element_size()
-    cost = AlwaysShare(case["hq"], case["hkv"], case["d"], dtype_bytes, prefix_parts=prefix_parts,
-                       tile_rows=tile_rows, **kw)
+    # kernel tests keep every group: they must not depend on the cost model's verdict
+    cost = SharedPrefixCost(case["hq"], case["hkv"], case["d"], dtype_bytes, prefix_parts=prefix_parts,
+                            tile_rows=tile_rows, keep_all=True, **kw)
     return build_shared_prefix_plan(case["node_ids"], case["shared_lens"], case["kv_starts"],
                                     case["seq_lens"], case["new_lens"], cost=cost,
                                     page_size=case["page_size"], slots=case["slots"].cpu().numpy())
