@@ -1,4 +1,4 @@
-"""Warm starts: save_cache/load_cache round trips, refusals that change nothing, MRU loading into small pools."""
+"""Warm starts: save/load round trips, refusals that change nothing, MRU loading into small pools."""
 
 from __future__ import annotations
 
