@@ -50,7 +50,7 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
-    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (off by default)
+    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):

@@ -33,14 +33,14 @@ POOL_MAJOR = (1, 2, 0, 3, 4, 5)  # and back
 
 
 def host_tier_tokens(pool: KVPool, tokens: int | None, gigabytes: float | None) -> int | None:
-    """Capacity of the host tier in tokens from `host_cache_tokens` or `host_cache_gb` (None: no tier)."""
-    if tokens is not None and gigabytes is not None:
+    """Host tier capacity in tokens from `host_cache_tokens` or `host_cache_gb` (None or 0: no tier)."""
+    if tokens and gigabytes:
         raise ValueError("give host_cache_tokens or host_cache_gb, not both")
-    if gigabytes is not None:
+    if gigabytes:
         if not gigabytes > 0:
             raise ValueError(f"host_cache_gb must be > 0, got {gigabytes}")
         tokens = int(gigabytes * 1e9) // pool.shape.bytes_per_token(pool.dtype)
-    if tokens is None:
+    if tokens is None or tokens == 0:
         return None
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < pool.page_size:
         raise ValueError(f"host_cache_tokens must be an int >= page_size ({pool.page_size}), got {tokens!r}")
