@@ -3,6 +3,8 @@
 Importing the package registers the "radix" attention and `cache_implementation="radix"`.
 """
 
+from transformers.utils import logging as _logging
+
 from . import cache_io as _cache_io
 from .attention import register as _register_attention
 from .cache_io import CacheFileError
@@ -46,5 +48,8 @@ def load_cache(model, path) -> dict:
     return _cache_io.load_cache(get_engine(model), path)
 
 
+# transformers' get_logger leaves other packages outside its root logger: hanging "hf_radix" under it
+# makes transformers.logging.set_verbosity_* (and TRANSFORMERS_VERBOSITY) control hf_radix's messages.
+_logging.get_logger(__name__).parent = _logging.get_logger()
 _register_attention()
 register_generate_support()

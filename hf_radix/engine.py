@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
+from transformers.utils import logging
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
@@ -16,7 +16,7 @@ from .forward_batch import ForwardBatch
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool, KVShape, pool_size_tokens
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
 
