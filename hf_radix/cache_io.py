@@ -77,8 +77,10 @@ class CacheFileError(ValueError):
 # ---------------------------------------------------------------------------------------------- digests
 def tensor_digest(t: torch.Tensor) -> str:
     """Order-sensitive 64-bit checksum of a tensor's bytes, in exact integer arithmetic on its device."""
-    words = t.detach().contiguous().view(-1).view(_INT_VIEW[t.element_size()])
+    if t.numel() == 0:
+        return f"{0:016x}"
     acc = torch.zeros((), dtype=torch.int64, device=t.device)
+    words = t.detach().contiguous().view(-1).view(_INT_VIEW[t.element_size()])
     for start in range(0, words.numel(), _DIGEST_CHUNK):
         chunk = words[start : start + _DIGEST_CHUNK].to(torch.int64)
         weight = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=t.device) * 2 + 1
@@ -199,6 +201,8 @@ def _write_header(f, metadata: dict[str, str], specs: list[tuple[str, torch.dtyp
 
 
 def _host_bytes(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:
+        return memoryview(b"")
     return memoryview(t.contiguous().view(-1).view(torch.uint8).numpy())
 
 
