@@ -11,6 +11,8 @@ prefix evicted again costs no second copy.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,6 +32,7 @@ __all__ = ["HostTier", "host_tier_tokens"]
 # The pool is [2, layers, pages, page_size, heads, dim]; the host buffer keeps each page contiguous.
 PAGE_MAJOR = (2, 0, 1, 3, 4, 5)  # pool layout -> [pages, 2, layers, page_size, heads, dim]
 POOL_MAJOR = (1, 2, 0, 3, 4, 5)  # and back
+STAGING_BYTES = 256 << 20
 
 
 def host_tier_tokens(pool: KVPool, tokens: int | None, gigabytes: float | None) -> int | None:
@@ -74,6 +77,8 @@ class HostTier:
             pin_memory=cuda,
         )
         self.stream = torch.cuda.Stream(pool.device) if cuda else None
+        page_bytes = self.buffer[0].numel() * self.buffer.element_size()
+        self._chunk_pages = max(1, STAGING_BYTES // page_bytes)  # bounds the GPU staging buffer of a copy
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
         self.stored_tokens = 0  # copied out to host memory
@@ -180,34 +185,37 @@ class HostTier:
     def _copy_out(self, gpu_slots: np.ndarray, host_slots: np.ndarray) -> None:
         ps, pool = self.page_size, self.pool.buffer
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
-        if self.stream is None:
-            pages = pool[:, :, torch.from_numpy(gpu_pages)]
-            self.buffer[torch.from_numpy(host_pages)] = pages.permute(PAGE_MAJOR)
-            return
-        main = torch.cuda.current_stream(self.pool.device)
-        self.stream.wait_stream(main)  # the pages' K/V were written by work queued on the main stream
-        with torch.cuda.stream(self.stream):
-            staged = pool.index_select(2, self._index(gpu_pages)).permute(PAGE_MAJOR).contiguous()
-            for offset, page, count in _runs(host_pages):
-                self.buffer[page : page + count].copy_(staged[offset : offset + count], non_blocking=True)
-        main.wait_stream(self.stream)  # the freed GPU pages are rewritten only after the copy
+        with self._side_stream():
+            for lo in range(0, len(host_pages), self._chunk_pages):
+                hi = lo + self._chunk_pages
+                staged = pool.index_select(2, self._index(gpu_pages[lo:hi])).permute(PAGE_MAJOR).contiguous()
+                for offset, page, count in _runs(host_pages[lo:hi]):
+                    self.buffer[page : page + count].copy_(staged[offset : offset + count], non_blocking=True)
 
     def _copy_in(self, host_slots: np.ndarray, gpu_slots: np.ndarray) -> None:
         ps, pool = self.page_size, self.pool.buffer
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
+        with self._side_stream():
+            for lo in range(0, len(host_pages), self._chunk_pages):
+                hi = lo + self._chunk_pages
+                shape = (len(host_pages[lo:hi]), *self.buffer.shape[1:])
+                staged = torch.empty(shape, dtype=pool.dtype, device=pool.device)
+                for offset, page, count in _runs(host_pages[lo:hi]):
+                    staged[offset : offset + count].copy_(self.buffer[page : page + count], non_blocking=True)
+                pool.index_copy_(2, self._index(gpu_pages[lo:hi]), staged.permute(POOL_MAJOR))
+
+    @contextlib.contextmanager
+    def _side_stream(self) -> Iterator[None]:
+        """Runs the block on the side stream, after the work queued so far on the current stream (which
+        may still write or read the pages) and before any work queued on it later (GPU-side waits only)."""
         if self.stream is None:
-            pages = self.buffer[torch.from_numpy(host_pages)]
-            pool[:, :, torch.from_numpy(gpu_pages)] = pages.permute(POOL_MAJOR)
+            yield
             return
         main = torch.cuda.current_stream(self.pool.device)
-        self.stream.wait_stream(main)  # the target pages may still be read or written by queued work
+        self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
-            shape = (len(host_pages), *self.buffer.shape[1:])
-            staged = torch.empty(shape, dtype=pool.dtype, device=pool.device)
-            for offset, page, count in _runs(host_pages):
-                staged[offset : offset + count].copy_(self.buffer[page : page + count], non_blocking=True)
-            pool.index_copy_(2, self._index(gpu_pages), staged.permute(POOL_MAJOR))
-        main.wait_stream(self.stream)  # the request's forward reads the pages after the copy
+            yield
+        main.wait_stream(self.stream)
 
     # -- maintenance ---------------------------------------------------------------------------------
     def reset(self) -> None:

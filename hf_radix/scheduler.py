@@ -42,6 +42,11 @@ class RunnerStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def gpu_cached_tokens(self) -> int:
+        """Of cached_tokens, those found on the GPU (the rest came back from the host tier)."""
+        return self.cached_tokens - self.host_cached_tokens
+
+    @property
     def tokens_per_s(self) -> float:
         """Generated tokens per second of wall time."""
         return self.generated_tokens / self.wall_time if self.wall_time else 0.0

@@ -100,11 +100,13 @@ def test_options_are_validated():
 
 
 # ------------------------------------------------------------------------- manager-level (no model)
-def _two_tier(gpu_pages: int, host_tokens: int, page_size: int = 1) -> CacheManager:
+def _two_tier(gpu_pages: int, host_tokens: int, page_size: int = 1, chunk_pages: int = 3) -> CacheManager:
     shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2)
     pool = KVPool(shape, gpu_pages, page_size, torch.float32, "cpu")
     manager = CacheManager(gpu_pages, page_size)
-    HostTier(pool, host_tokens).attach(manager)
+    tier = HostTier(pool, host_tokens)
+    tier._chunk_pages = chunk_pages  # copies go through the staging buffer in several chunks
+    tier.attach(manager)
     return manager
 
 
