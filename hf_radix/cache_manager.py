@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
+
+if TYPE_CHECKING:
+    from .host_tier import HostTier
 
 
 class OutOfPagesError(RuntimeError):
@@ -46,6 +50,7 @@ class CacheManager:
         self._next_row = 0
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
+        self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
@@ -67,8 +72,15 @@ class CacheManager:
 
     # -- matching and locking ------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int] | np.ndarray) -> MatchHandle:
-        """Longest cached prefix of `token_ids[:-1]`: the last token is always recomputed for its logits."""
-        return self.tree.match_prefix(np.asarray(token_ids)[: max(len(token_ids) - 1, 0)])
+        """Longest cached prefix of `token_ids[:-1]`: the last token is always recomputed for its logits.
+
+        With a host tier, a longer prefix held there is copied back into fresh pages first (asynchronously).
+        """
+        ids = np.asarray(token_ids)[: max(len(token_ids) - 1, 0)]
+        handle = self.tree.match_prefix(ids)
+        if self.host_tier is not None:
+            handle = self.host_tier.extend_match(ids, handle)
+        return handle
 
     def lock(self, handle: MatchHandle) -> None:
         self.tree.lock(handle)
@@ -185,17 +197,30 @@ class CacheManager:
             if pending:
                 self._free = np.concatenate([self._free, *pending])
 
+    # -- tier hooks (cache_io, host_tier): pages handed to the tree outside a request ---------------
+    def take_pages(self, count: int) -> np.ndarray:
+        """First slots of `count` pages taken off the free list, evicting LRU prefixes on shortfall."""
+        return self._take_pages(count)
+
+    def release_pages(self, slots: np.ndarray) -> None:
+        """Returns whole pages (given by all their slots, page-aligned) to the free list."""
+        self._release(np.asarray(slots, dtype=np.int64))
+
     # -- maintenance ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drops the whole prefix cache; only allowed when no request holds a row."""
+        """Drops the whole prefix cache (both tiers); only allowed when no request holds a row."""
         if self._rows:
             raise RuntimeError(f"cannot reset the cache while {len(self._rows)} requests are running")
         self.tree.reset()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         self._free = np.arange(self.num_pages, dtype=np.int64) * self.page_size
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless free + tree + held-by-running-requests pages == total pages."""
         self.tree.check_integrity()
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
         if self._lazy_frees is not None:
             raise IntegrityError("check_integrity called inside a lazy_free_region")
         ps = self.page_size

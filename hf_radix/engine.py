@@ -13,6 +13,7 @@ from transformers.utils import logging
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
 from .forward_batch import ForwardBatch
+from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool, KVShape, pool_size_tokens
 
 logger = logging.get_logger(__name__)
@@ -26,6 +27,7 @@ class CacheStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     computed_tokens: int = 0
     generated_tokens: int = 0
     forward_calls: int = 0
@@ -35,7 +37,8 @@ class CacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        gpu = self.cached_tokens - self.host_cached_tokens
+        return {**asdict(self), "gpu_cached_tokens": gpu, "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
+    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
+    host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -87,6 +92,10 @@ class RadixEngine:
         self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size)
+        host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+        if self.host_tier is not None:
+            self.host_tier.attach(self.manager)
         self.backend = make_backend(self.options.attn_backend, device)
         self.stats = CacheStats()
         text_config = model.config.get_text_config(decoder=True)
@@ -130,9 +139,10 @@ class RadixEngine:
         self.stats.computed_tokens += num_tokens
         self.stats.forward_calls += 1
 
-    def record_prompt(self, prompt_len: int, cached_len: int) -> None:
+    def record_prompt(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
+        self.stats.host_cached_tokens += host_len
 
     def stats_dict(self) -> dict:
         size = self.manager.tree.size_info
@@ -141,6 +151,7 @@ class RadixEngine:
             "evicted_tokens": self.manager.evicted_tokens,
             "tree_tokens": size.total_size,
             "pool_tokens": self.manager.num_pages * self.page_size,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
 
     def check_integrity(self) -> None:

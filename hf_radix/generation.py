@@ -263,7 +263,9 @@ class RadixGenerateCache(RadixCache):
             leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
             if leader != b:
                 self._followers[b] = leader
-            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+            self.engine.record_prompt(
+                n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
+            )
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         if self._followers:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,13 +56,14 @@ class RadixNode:
 class MatchHandle:
     """Result of a match/insert: the matched length and the deepest node of the matched path."""
 
-    __slots__ = ("cached_len", "node", "locked", "_cache")
+    __slots__ = ("cached_len", "node", "locked", "restored_len", "_cache")
 
     def __init__(self, cache: RadixPrefixCache, cached_len: int, node: RadixNode) -> None:
         self._cache = cache
         self.cached_len = cached_len
         self.node = node
         self.locked = False
+        self.restored_len = 0  # tokens of cached_len a host tier copied back for this match
 
     def matched_indices(self) -> np.ndarray:
         """Int64 slot indices of the matched prefix, in sequence order; ValueError if the node was evicted."""
@@ -95,6 +97,8 @@ class RadixPrefixCache:
         self.page_size = int(page_size)
         self._tick = 0
         self._seq = itertools.count()
+        # Called with each leaf `evict` removes, while it is still attached (a host tier keeps a copy).
+        self.on_evict: Callable[[RadixNode], None] | None = None
         self.reset()
 
     # ---------------------------------------------------------------- public API
@@ -192,6 +196,8 @@ class RadixPrefixCache:
             if node.ref_count or node.children:
                 node._queued_tick = -1  # re-queued when it becomes an evictable leaf again
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             node.parent = None
@@ -201,6 +207,15 @@ class RadixPrefixCache:
             self._num_nodes -= 1
             self._maybe_queue(parent)
         return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
+
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root, each after its parent."""
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
 
     def slot_indices(self) -> np.ndarray:
         """Every slot index the tree holds (any order)."""
