@@ -143,7 +143,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -387,15 +387,11 @@ class RadixBatchRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()
-        self._scheduler = Scheduler(
-            self.engine,
-            _eos_ids(model, tokenizer),
-            tokenizer,
-            max_running_requests,
-            chunked_prefill_size,
-            schedule_policy,
-            cuda_graph,
+        self._scheduler_args = (
+            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy, cuda_graph,
         )
+        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
@@ -414,6 +410,9 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self.engine = get_engine(self.model)
+            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
         before = self.engine.stats.prompt_tokens, self.engine.stats.cached_tokens
@@ -437,7 +436,7 @@ class RadixBatchRunner:
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
         token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
             params = [params] * len(token_lists)
         params = list(params)
