@@ -13,7 +13,7 @@ from transformers.utils import logging
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
 from .forward_batch import ForwardBatch
-from .kv_pool import CPU_DEFAULT_TOKENS, KVPool, KVShape, pool_size_tokens
+from .kv_pool import KVPool, KVShape, pool_size_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -181,7 +181,7 @@ def _announce_pool(pool: KVPool, tokens: int, options: EngineOptions) -> None:
     elif pool.device.type == "cuda":
         sized_by = f"mem_fraction={options.mem_fraction} of the free GPU memory"
     else:
-        sized_by = f"the default of {CPU_DEFAULT_TOKENS:,} tokens off GPU"
+        sized_by = "the default size off GPU"
     gib = pool.buffer.numel() * pool.buffer.element_size() / 2**30
     message = (
         f"hf_radix: the KV pool of this model takes {gib:.2f} GiB of {pool.device} memory "
