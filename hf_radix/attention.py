@@ -13,7 +13,7 @@ from .forward_batch import ForwardBatch
 logger = logging.get_logger(__name__)
 
 ATTENTION_NAME = "radix"
-BACKENDS = ("auto", "torch", "triton", "flashinfer")
+BACKENDS = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
@@ -113,8 +113,6 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """Resolves a backend name; "auto" is Triton on CUDA when importable, the torch reference otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "flashinfer":
-        raise ValueError("attn_backend='flashinfer' is not available in this build; use 'triton' or 'torch'")
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()

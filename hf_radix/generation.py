@@ -292,7 +292,7 @@ class RadixGenerateCache(RadixCache):
         if need > available:
             raise ValueError(
                 f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
-                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                f"but only {available} of the pool's {self.engine.pool_tokens} are free or evictable; "
                 "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
                 "or lower max_new_tokens or the batch size"
             )

@@ -150,7 +150,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -397,15 +397,11 @@ class RadixBatchRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()
-        self._scheduler = Scheduler(
-            self.engine,
-            _eos_ids(model, tokenizer),
-            tokenizer,
-            max_running_requests,
-            chunked_prefill_size,
-            schedule_policy,
-            cuda_graph,
+        self._scheduler_args = (
+            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy, cuda_graph,
         )
+        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
@@ -424,6 +420,9 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self.engine = get_engine(self.model)
+            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
         stats = self.engine.stats
@@ -449,7 +448,7 @@ class RadixBatchRunner:
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
         token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
             params = [params] * len(token_lists)
         params = list(params)
