@@ -6,6 +6,7 @@ Importing the package registers the "radix" attention and `cache_implementation=
 from .attention import register as _register_attention
 from .cache_utils import RadixCache, register_generate_support
 from .engine import RadixEngine, configure, get_engine
+from .errors import RequestError, UnsupportedModelError
 from .radix_tree import IntegrityError
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -16,9 +17,11 @@ __all__ = [
     "RadixBatchRunner",
     "RadixCache",
     "RadixEngine",
+    "RequestError",
     "RequestOutput",
     "RunnerStats",
     "SamplingParams",
+    "UnsupportedModelError",
     "cache_stats",
     "configure",
     "get_engine",

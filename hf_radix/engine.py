@@ -12,8 +12,9 @@ import torch
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
+from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
-from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .kv_pool import KVPool, pool_size_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +74,11 @@ class RadixEngine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
+        support = check_model(model)  # UnsupportedModelError before anything is allocated
+        install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
-        shape = KVShape.from_config(model.config)
+        shape = support.kv_shape
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
