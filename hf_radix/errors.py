@@ -22,7 +22,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-__all__ = ["ERROR_MODES", "RequestError", "UnsupportedModelError", "check_error_mode", "raise_or_return"]
+__all__ = [
+    "ERROR_MODES",
+    "OWN_CACHE_MESSAGE",
+    "RequestError",
+    "UnsupportedModelError",
+    "check_error_mode",
+    "raise_or_return",
+]
+
+#: Why a radix call takes no past_key_values, and what to do instead.
+OWN_CACHE_MESSAGE = (
+    "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
+    "cached prefix is reused automatically) and no past_key_values"
+)
 
 ErrorMode = Literal["raise", "return"]
 ERROR_MODES = ("raise", "return")
