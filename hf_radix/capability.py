@@ -118,7 +118,7 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     if getattr(config, "is_encoder_decoder", False):
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
     _check_multimodal(model, refuse)
-    classes = {type(m) for m in model.modules() if not _is_torch_class(type(m))}
+    classes = dict.fromkeys(type(m) for m in model.modules() if not _is_torch_class(type(m)))
     for cls in classes:
         source = _forward_source(cls) or ""
         marker = next((m for m in RECURRENT_MARKERS if m in source), None)
@@ -143,7 +143,7 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
             raise refuse(
                 f"{cls.__name__} computes attention itself, not through transformers' attention interface"
             )
-    for cls in {type(m) for m in attention}:
+    for cls in dict.fromkeys(type(m) for m in attention):
         unknown = sorted(set(_attention_call_keywords(cls)) - HANDLED_ATTENTION_ARGS)
         if unknown:
             raise refuse(

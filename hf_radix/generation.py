@@ -15,6 +15,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
+from .capability import check_inputs
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, build_forward_batch
@@ -471,6 +472,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
     """Raises a ValueError naming the alternative for everything the radix path cannot do."""
     if model.config.is_encoder_decoder:
         raise ValueError("cache_implementation='radix' supports decoder-only models")
+    check_inputs(model, kwargs)
     mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
     if mode not in _SUPPORTED_MODES:
         if mode is not None and "beam" in mode:

@@ -86,14 +86,26 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
                                            linear_num_value_heads=4, linear_num_key_heads=2,
                                            linear_key_head_dim=16, linear_value_head_dim=16,
                                            layer_types=["linear_attention", "full_attention"])),
+    "FalconH1": ("FalconH1Config", _base(head_dim=16, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=16,
+                                         mamba_d_ssm=64)),
+    "Llava": ("LlavaConfig", {}),  # built by _llava_config: a vision tower in front of a tiny Llama
 }
+
+
+def _llava_config() -> transformers.PretrainedConfig:
+    text = transformers.LlamaConfig(**_base(head_dim=16), **_IDS)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, image_size=32, patch_size=16)
+    return transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=3)
 
 
 def tiny_matrix_model(name: str, seed: int = 0) -> torch.nn.Module:
     """A random-weight fp32 causal LM of the family `name` in eval mode."""
     cls_name, kwargs = ARCHITECTURES[name]
-    config = getattr(transformers, cls_name)(**kwargs, **_IDS)
     torch.manual_seed(seed)
+    if name == "Llava":
+        return transformers.LlavaForConditionalGeneration(_llava_config()).float().eval()
+    config = getattr(transformers, cls_name)(**kwargs, **_IDS)
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
