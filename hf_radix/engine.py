@@ -12,9 +12,10 @@ from transformers.utils import logging
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
+from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
 from .host_tier import HostTier, host_tier_tokens
-from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .kv_pool import KVPool, pool_size_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -78,9 +79,11 @@ class RadixEngine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
+        support = check_model(model)  # UnsupportedModelError before anything is allocated
+        install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
-        shape = KVShape.from_config(model.config)
+        shape = support.kv_shape
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
