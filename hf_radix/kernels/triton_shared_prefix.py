@@ -291,7 +291,9 @@ def shared_prefix_attention(
     the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range).
     Returns ``[T, Hq, D]`` in ``q``'s dtype; tokens outside every suffix tile are left unwritten.
     """
-    hq, hkv, d = _check_common(q, k_cache, v_cache)
+    hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
+    if dv != d:
+        raise ValueError(f"shared-prefix attention needs equal K and V head sizes, got {d} and {dv}")
     num_tokens = q.shape[0]
     _check_tiles(tiles, num_tokens)
     if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
