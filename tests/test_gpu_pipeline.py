@@ -110,3 +110,16 @@ def _hf_greedy_radix(model, prompt: list[int], new: int) -> list[int]:
             cache_implementation="radix",
         )
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["GptOss", "DeepseekV3", "Llama", "Gemma2", "Qwen2"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matrix_families_exact_with_triton_on_gpu(name: str, page_size: int):
+    """Attention sinks (GptOss) and MLA latents (DeepseekV3) through the Triton kernels, fp32 on the GPU,
+    against plain transformers: runner greedy, generate tokens and step logits, log-likelihoods."""
+    from model_matrix import check_architecture
+
+    result = check_architecture(name, page_size=page_size, attn_backend="triton", device="cuda",
+                                logit_tol=1e-4, logprob_tol=5e-4)
+    assert result["status"] == "exact", result
+    print(name, page_size, result)
