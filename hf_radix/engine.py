@@ -107,6 +107,12 @@ class RadixEngine:
     def page_size(self) -> int:
         return self.pool.page_size
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Forwards can replay CUDA graphs: CUDA, Triton attention, and K/V read from the pool (not MLA
+        latents, whose layers re-read every row's whole context)."""
+        return self.device.type == "cuda" and self.backend.name == "triton" and not self.pool.shape.latent
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         from .cache_utils import RadixCache
