@@ -188,7 +188,9 @@ def architecture_table(results: dict[str, dict[str, Any]]) -> str:
         "models (2 layers, hidden 64, fp32) of each family. *Exact*: runner greedy tokens, `generate` "
         "tokens and every step's logits, and log-likelihoods equal plain transformers (shared prefixes, "
         "duplicates, strict prefixes). *Refused*: `hf_radix.UnsupportedModelError` when the engine is "
-        "created, before any forward, for the reason given.",
+        "created, before any forward, for the reason given. The check reads the installed transformers: "
+        "a family whose attention bypasses the interface in another release is refused there (GPT-J in "
+        "transformers 5.17).",
         "",
         "| family | model class | hf_radix | reason |",
         "| --- | --- | --- | --- |",
