@@ -127,6 +127,12 @@ class RadixEngine:
         """True once `get_engine` replaced this engine and released its pool."""
         return self.pool is None
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Forwards can replay CUDA graphs: CUDA, Triton attention, and K/V read from the pool (not MLA
+        latents, whose layers re-read every row's whole context)."""
+        return self.device.type == "cuda" and self.backend.name == "triton" and not self.pool.shape.latent
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         from .cache_utils import RadixCache

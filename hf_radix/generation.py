@@ -523,7 +523,7 @@ def _sequences(result) -> torch.Tensor | None:
 
 def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
     """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
-    if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
+    if not CUDA_GRAPHS or not engine.captures_graphs:
         return None
     graphs = _graphs.get(engine)
     if graphs is None:

@@ -89,7 +89,7 @@ class Scheduler:
         self.seeded = SeededRows(engine.device)
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
-        if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
+        if cuda_graph and engine.captures_graphs:
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
             self.extend_graphs = shared_extend_graphs(engine)
         self.pending: deque[Req] = deque()
