@@ -240,7 +240,8 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     kernel and use its sm_90 config (BLOCK_N 64, 4 warps, 3 stages: 98% of HBM bandwidth in its sweep).
     Wide tiles (a group's queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128
     tiles: BLOCK_N 64 with 8 warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages
-    (Q 32 KB + 3 x 32 KB of K/V in shared memory at head_dim 128 in bf16; 2 stages at head_dim 256).
+    (64 KB of shared memory at head_dim 128 in bf16; at head_dim 256, 2 stages and 128 KB, as the extend
+    kernel's tuned d256 config).
     """
     if block_m in _CFG_OVERRIDE:
         return dict(_CFG_OVERRIDE[block_m])
@@ -252,7 +253,7 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
         return {"BLOCK_N": 32, "num_warps": warps, "num_stages": 2}
     if block_d <= 128:
         return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 3}
-    return {"BLOCK_N": 32 if block_m >= 128 else 64, "num_warps": warps, "num_stages": 2}
+    return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2}
 
 
 def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:
