@@ -10,6 +10,7 @@ from .attention import register as _register_attention
 from .cache_io import CacheFileError
 from .cache_utils import RadixCache, register_generate_support
 from .engine import RadixEngine, configure, get_engine
+from .errors import RequestError, UnsupportedModelError
 from .radix_tree import IntegrityError
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -21,9 +22,11 @@ __all__ = [
     "RadixBatchRunner",
     "RadixCache",
     "RadixEngine",
+    "RequestError",
     "RequestOutput",
     "RunnerStats",
     "SamplingParams",
+    "UnsupportedModelError",
     "cache_stats",
     "configure",
     "get_engine",

@@ -217,28 +217,43 @@ class CacheManager:
         self._free = np.arange(self.num_pages, dtype=np.int64) * self.page_size
 
     def check_integrity(self) -> None:
-        """Raises IntegrityError unless free + tree + held-by-running-requests pages == total pages."""
-        self.tree.check_integrity()
+        """Raises IntegrityError unless the pages, the rows and the tree agree exactly.
+
+        Every managed page (0..num_pages-1, never the scratch page past them) is in exactly one place:
+        free, held by the tree, or owned by a running request; each tree node's ref count equals the
+        number of live rows whose locked prefix covers it; each row's cached prefix matches the tree.
+        """
         if self.host_tier is not None:
             self.host_tier.check_integrity()
         if self._lazy_frees is not None:
             raise IntegrityError("check_integrity called inside a lazy_free_region")
+        for state in self._rows.values():
+            if not state.handle.locked:
+                raise IntegrityError("a running request's prefix is not locked")
+        self.tree.check_integrity(locks=[state.handle for state in self._rows.values()])
         ps = self.page_size
-        tree_pages = self.tree.size_info.total_size // ps
+        limit = self.num_pages * ps  # the scratch page (first slot `limit`) is never managed
         owned = [state.slots[state.handle.cached_len :] for state in self._rows.values()]
-        owned_pages = sum(-(-len(s) // ps) for s in owned)
-        if len(self._free) + tree_pages + owned_pages != self.num_pages:
-            raise IntegrityError(
-                f"page leak: free {len(self._free)} + tree {tree_pages} + running {owned_pages} "
-                f"!= total {self.num_pages}"
-            )
-        firsts = np.concatenate([self._free, *(s[::ps] for s in owned), self.tree.slot_indices()[::ps]])
+        tree_slots = self.tree.slot_indices()
+        for what, slots in (("free", self._free), ("cached", tree_slots), *(("owned", s) for s in owned)):
+            bad = slots[(slots < 0) | (slots >= limit)]
+            if len(bad):
+                raise IntegrityError(
+                    f"a {what} page index is out of range: slot {int(bad[0])} not in [0, {limit})"
+                    + (" (the scratch page)" if int(bad[0]) // ps == self.num_pages else "")
+                )
+        firsts = np.concatenate([self._free, *(s[::ps] for s in owned), tree_slots[::ps]])
         if ps > 1 and np.any(firsts % ps):
             raise IntegrityError("a free, owned or cached page does not start at a page boundary")
         if len(np.unique(firsts)) != len(firsts):
             raise IntegrityError("a page is in two places at once (free, cached or owned by a request)")
+        if len(firsts) != self.num_pages:
+            missing = np.setdiff1d(np.arange(self.num_pages) * ps, firsts)
+            raise IntegrityError(
+                f"page leak: free {len(self._free)} + tree {len(tree_slots[::ps])} + running "
+                f"{sum(len(s[::ps]) for s in owned)} != total {self.num_pages}; first missing page "
+                f"{int(missing[0]) // ps if len(missing) else '?'}"
+            )
         for state in self._rows.values():
-            if not state.handle.locked:
-                raise IntegrityError("a running request's prefix is not locked")
             if not np.array_equal(state.slots[: state.handle.cached_len], state.handle.matched_indices()):
                 raise IntegrityError("a running request's page-table row disagrees with the tree")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,8 +226,13 @@ class RadixPrefixCache:
             stack.extend(node.children.values())
         return np.concatenate(values).astype(np.int64, copy=False)
 
-    def check_integrity(self) -> None:
-        """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness."""
+    def check_integrity(self, locks: Iterable[MatchHandle] | None = None) -> None:
+        """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness.
+
+        With `locks` (every handle that is locked, e.g. the live requests' handles), each node's ref_count
+        must equal the number of those whose path covers it: a lock taken and never released fails.
+        """
+        expected = None if locks is None else self._lock_counts(locks)
         root = self._root
         if root.parent is not None or len(root.key) or len(root.value) or root.ref_count:
             raise IntegrityError("root must be empty, parentless and unreferenced")
@@ -251,6 +256,11 @@ class RadixPrefixCache:
                 continue
             if node.ref_count < child_refs:
                 raise IntegrityError(f"{node!r} has ref_count below the sum of its children's ({child_refs})")
+            if expected is not None and node.ref_count != expected.get(id(node), 0):
+                raise IntegrityError(
+                    f"{node!r}: the live locks add up to {expected.get(id(node), 0)} (a lock was leaked or "
+                    "released twice)"
+                )
             nodes.append(node)
             total += len(node.key)
             if node.ref_count > 0:
@@ -273,6 +283,20 @@ class RadixPrefixCache:
             raise IntegrityError("an evictable leaf is missing from the eviction heap")
 
     # ---------------------------------------------------------------- internals
+
+    def _lock_counts(self, locks: Iterable[MatchHandle]) -> dict[int, int]:
+        """id(node) -> how many of the locked `locks` cover it."""
+        counts: dict[int, int] = {}
+        for handle in locks:
+            if handle._cache is not self or not handle.locked:
+                raise IntegrityError(f"{handle!r} is not a lock held on this tree")
+            node = handle.node
+            while node is not self._root:
+                if node.parent is None:
+                    raise IntegrityError(f"{handle!r} points at a node no longer in the tree")
+                counts[id(node)] = counts.get(id(node), 0) + 1
+                node = node.parent
+        return counts
 
     def _next_tick(self) -> int:
         self._tick += 1

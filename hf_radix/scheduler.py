@@ -14,6 +14,7 @@ from transformers.utils import logging
 
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
+from .errors import check_error_mode, raise_or_return
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
@@ -150,7 +151,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -397,15 +398,11 @@ class RadixBatchRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()
-        self._scheduler = Scheduler(
-            self.engine,
-            _eos_ids(model, tokenizer),
-            tokenizer,
-            max_running_requests,
-            chunked_prefill_size,
-            schedule_policy,
-            cuda_graph,
+        self._scheduler_args = (
+            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy, cuda_graph,
         )
+        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
@@ -424,6 +421,9 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self.engine = get_engine(self.model)
+            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
         stats = self.engine.stats
@@ -446,10 +446,16 @@ class RadixBatchRunner:
         prompts: Iterable,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool | None = None,
+        errors: str = "return",
     ) -> list[RequestOutput]:
-        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
+        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
+
+        A bad request fails alone: its output has `finish_reason="error"` and the message in `error`;
+        `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
+        """
+        check_error_mode(errors)
         token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
             params = [params] * len(token_lists)
         params = list(params)
@@ -457,7 +463,9 @@ class RadixBatchRunner:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
         self._execute(reqs, progress)
-        return [self._output(r) for r in reqs]
+        outputs = [self._output(r) for r in reqs]
+        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
+        return raise_or_return(outputs, failures, errors, "requests")
 
     def _output(self, req: Req) -> RequestOutput:
         tokens = req.generated
@@ -478,11 +486,16 @@ class RadixBatchRunner:
             error=req.error,
         )
 
-    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]:
         """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
 
         Contexts shared between pairs are computed once; logits are computed only at continuation positions.
+        A bad pair fails alone: `errors="raise"` raises a `RequestError` (a ValueError carrying every message
+        and the other results) after the others completed; `errors="return"` returns None in its place.
         """
+        check_error_mode(errors)
         pairs = list(pairs)
         contexts = self._tokenize([c for c, _ in pairs])
         continuations = self._tokenize_continuations(pairs)
@@ -494,10 +507,9 @@ class RadixBatchRunner:
                 Scheduler._fail(req, "context and continuation must both be non-empty")
             reqs.append(req)
         self._execute([r for r in reqs if r.finish_reason is None], progress)
-        errors = [r for r in reqs if r.finish_reason == "error"]
-        if errors:
-            raise ValueError(f"{len(errors)} scoring requests failed; first: {errors[0].error}")
-        return [(r.logprob, r.greedy_match) for r in reqs]
+        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
+        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
+        return raise_or_return(results, failures, errors, "scoring requests")
 
     def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
         """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
