@@ -12,8 +12,10 @@ from transformers.utils import logging
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
+from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
-from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .host_tier import HostTier, host_tier_tokens
+from .kv_pool import KVPool, pool_size_tokens
 
 logger = logging.get_logger(__name__)
 
@@ -26,6 +28,7 @@ class CacheStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     computed_tokens: int = 0
     generated_tokens: int = 0
     forward_calls: int = 0
@@ -35,7 +38,8 @@ class CacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        gpu = self.cached_tokens - self.host_cached_tokens
+        return {**asdict(self), "gpu_cached_tokens": gpu, "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
+    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
+    host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -73,9 +79,11 @@ class RadixEngine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
+        support = check_model(model)  # UnsupportedModelError before anything is allocated
+        install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
-        shape = KVShape.from_config(model.config)
+        shape = support.kv_shape
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
@@ -87,6 +95,10 @@ class RadixEngine:
         self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size)
+        host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+        if self.host_tier is not None:
+            self.host_tier.attach(self.manager)
         _announce_pool(self.pool, self.pool_tokens, self.options)
         self.backend = make_backend(self.options.attn_backend, device)
         self.stats = CacheStats()
@@ -141,9 +153,10 @@ class RadixEngine:
         self.stats.computed_tokens += num_tokens
         self.stats.forward_calls += 1
 
-    def record_prompt(self, prompt_len: int, cached_len: int) -> None:
+    def record_prompt(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
+        self.stats.host_cached_tokens += host_len
 
     def stats_dict(self) -> dict:
         size = self.manager.tree.size_info
@@ -152,6 +165,7 @@ class RadixEngine:
             "evicted_tokens": self.manager.evicted_tokens,
             "tree_tokens": size.total_size,
             "pool_tokens": self.pool_tokens,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
 
     def check_integrity(self) -> None:
