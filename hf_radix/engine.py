@@ -187,9 +187,11 @@ class RadixEngine:
         self.options = options
 
     def close(self) -> None:
-        """Releases the pool (this engine cannot run again); runners bound to it rebind on their next call."""
+        """Releases the pool and its host tier for good; runners bound to this engine rebind on next use."""
         device = self.device
-        self.pool = None
+        if self.host_tier is not None:  # the tier holds the pool
+            self.host_tier.detach()
+        self.pool = self.host_tier = None
         if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
             torch.cuda.empty_cache()
 

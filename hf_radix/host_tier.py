@@ -99,6 +99,11 @@ class HostTier:
         manager.host_tier = self
         manager.tree.on_evict = self._keep
 
+    def detach(self) -> None:
+        """Undoes `attach`: the manager evicts and matches without the tier again."""
+        self.manager.host_tier = None
+        self.manager.tree.on_evict = None
+
     # -- GPU -> host ---------------------------------------------------------------------------------
     def _keep(self, node: RadixNode) -> None:
         """Eviction callback of the GPU tree: copies the part of `node`'s path the host tree lacks."""
