@@ -62,6 +62,13 @@ def test_simple_evaluate_matches_hf_backend(model, tokenizer):
     assert radix["results"][mc]["acc,none"] == hf["results"][mc]["acc,none"]
     assert radix["results"][mc]["acc_norm,none"] == hf["results"][mc]["acc_norm,none"]
     assert stats["hit_rate"] > 0.5  # the two-shot preamble and each question are shared by the choices
+    info, reference = radix["config"], hf["config"]
+    for key in ("model_num_parameters", "model_dtype", "model_revision", "model_sha"):
+        assert info[key] == reference[key]
+    reuse = info["hf_radix_reuse"]  # this run's reuse, in the results JSON
+    assert reuse["prompt_tokens"] > reuse["cached_tokens"] > 0
+    assert reuse["hit_rate"] == pytest.approx(reuse["cached_tokens"] / reuse["prompt_tokens"])
+    assert 0 < reuse["computed_tokens"] < reuse["prompt_tokens"] + reuse["generated_tokens"]
     for task in TASKS:
         ours, theirs = radix["samples"][task], hf["samples"][task]
         assert len(ours) == len(theirs) == 8
@@ -107,9 +114,7 @@ def test_tokenization_edge_cases_match_hf_backend(model, tokenizer):
 def test_loads_from_a_path(model, tokenizer, tmp_path):
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    # lm-eval's CLI passes device="cuda" by default: without CUDA the model loads on the CPU
-    device = "cpu" if torch.cuda.is_available() else "cuda"
-    loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device=device)
+    loaded = HFRadixLM(pretrained=str(tmp_path), dtype="float32", device="cpu")
     assert loaded.model.device.type == "cpu"
     in_memory = HFRadixLM(pretrained=model, tokenizer=tokenizer)
     requests = [Instance("loglikelihood", {}, ("Answer briefly and precisely:", " Paris."), 0)]
@@ -118,15 +123,9 @@ def test_loads_from_a_path(model, tokenizer, tmp_path):
     assert loaded.model.dtype == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         HFRadixLM(pretrained=str(tmp_path), dtype="float33")
-
-
-def test_chat_template(model, tokenizer):
-    chat = tiny_tokenizer()
-    chat.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}" \
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
-    lm = HFRadixLM(pretrained=model, tokenizer=chat)
-    history = [{"role": "user", "content": "Hi"}]
-    assert lm.apply_chat_template(history) == "<user>Hi<assistant>"
+    if not torch.cuda.is_available():  # the device asked for, or a clear error: never a silent fallback
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            HFRadixLM(pretrained=str(tmp_path), device="cuda")
 
 
 @pytest.mark.parametrize("max_length", [1, 2, 3, 7, 16])
