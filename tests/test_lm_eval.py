@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -134,3 +135,28 @@ def test_rolling_windows_match_lm_eval(max_length: int):
         tokens = list(range(100, 100 + n))
         want = [make_disjoint_window(w) for w in get_rolling_token_windows(tokens, 7, max_length, 1)]
         assert rolling_windows(tokens, 7, max_length) == [(list(a), list(b)) for a, b in want]
+
+
+def test_bf16_error_no_larger_than_hf_backend():
+    """Against the same weights in float32, hf-radix's bf16 log-likelihoods err no more than hf's own.
+
+    hf-radix takes the log-softmax of the kept logits in float32 (hf does with softmax_dtype=float32; by
+    default it works in the model's dtype and errs several times more).
+    """
+    pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate")
+    tokenizer = tiny_tokenizer()
+    fp32 = tiny_model("llama", seed=4, vocab_size=len(tokenizer))
+    bf16 = tiny_model("llama", seed=4, vocab_size=len(tokenizer), dtype=torch.bfloat16)
+    long = "The quick brown fox jumps over the lazy dog. Question: what is the capital of France? " * 3
+    pairs = [(long + "Answer:", c) for c in (" Paris.", " eight", " the lazy dog", " twelve")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
+
+    def scores(lm) -> np.ndarray:
+        return np.array([lp for lp, _ in lm.loglikelihood(requests, disable_tqdm=True)])
+
+    reference = scores(_hf_lm(fp32, tokenizer))
+    hf_default = np.abs(scores(_hf_lm(bf16, tokenizer)) - reference).mean()
+    hf_fp32_softmax = np.abs(scores(_hf_lm(bf16, tokenizer, softmax_dtype="float32")) - reference).mean()
+    ours = np.abs(scores(HFRadixLM(pretrained=bf16, tokenizer=tokenizer, page_size=4)) - reference).mean()
+    assert ours <= hf_fp32_softmax * 1.25  # here 0.0013 against 0.0016 nats
+    assert ours < hf_default / 5  # 0.029: bf16 log-softmax rounding
