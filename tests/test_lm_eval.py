@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -12,15 +10,14 @@ lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip i
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.api.registry import get_model  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
+from lm_eval_helpers import evaluate  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix.evaluation import rolling_windows  # noqa: E402
 from hf_radix.lm_eval_backend import HFRadixLM  # noqa: E402
 from hf_radix.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-DATA = Path(__file__).with_name("data")
 TASKS = ["hf_radix_tiny_mc", "hf_radix_tiny_ppl", "hf_radix_tiny_gen"]
 ATOL = 1e-4
 
@@ -40,13 +37,6 @@ def _hf_lm(model, tokenizer, **options):
     return hf.HFLM(pretrained=model, tokenizer=tokenizer, batch_size=4, **options)
 
 
-def _evaluate(model_name: str, model_args: dict) -> dict:
-    return lm_eval.simple_evaluate(
-        model=model_name, model_args=model_args, tasks=TASKS, log_samples=True, bootstrap_iters=0,
-        task_manager=TaskManager(include_path=str(DATA), include_defaults=False), verbosity="ERROR",
-    )
-
-
 def test_registered_under_hf_radix():
     assert get_model("hf-radix") is HFRadixLM
 
@@ -54,10 +44,10 @@ def test_registered_under_hf_radix():
 def test_simple_evaluate_matches_hf_backend(model, tokenizer):
     pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate")
     args = {"pretrained": model, "tokenizer": tokenizer, "max_length": 128}
-    radix = _evaluate("hf-radix", {**args, "page_size": 4})
+    radix = evaluate("hf-radix", {**args, "page_size": 4}, TASKS)
     stats = hf_radix.cache_stats(model)
     hf_radix.get_engine(model).check_integrity()
-    hf = _evaluate("hf", {**args, "batch_size": 4})
+    hf = evaluate("hf", {**args, "batch_size": 4}, TASKS)
 
     mc = "hf_radix_tiny_mc"
     assert radix["results"][mc]["acc,none"] == hf["results"][mc]["acc,none"]

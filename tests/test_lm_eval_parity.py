@@ -14,27 +14,18 @@ pytest.importorskip("accelerate", reason="lm-eval's hf backend needs accelerate"
 
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+from lm_eval_helpers import evaluate  # noqa: E402
 
 from hf_radix.lm_eval_backend import HFRadixLM  # noqa: E402
 from hf_radix.lm_eval_backend.generate import plan  # noqa: E402
 from hf_radix.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
-DATA = Path(__file__).with_name("data")
 ATOL = 1e-4
 NO_SYSTEM_TEMPLATE = (  # Gemma-style: a system message is an error
     "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
     "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
-
-
-def _evaluate(model_name: str, model_args: dict, tasks: list[str], **options) -> dict:
-    return lm_eval.simple_evaluate(
-        model=model_name, model_args=model_args, tasks=tasks, log_samples=True, bootstrap_iters=0,
-        task_manager=TaskManager(include_path=str(DATA), include_defaults=False), verbosity="ERROR",
-        **options,
-    )
 
 
 def _assert_same_samples(ours: dict, theirs: dict, tasks: list[str]) -> None:
@@ -69,8 +60,8 @@ def test_add_bos_token_matches_hf(bos_checkpoint):
     args = {"pretrained": str(bos_checkpoint), "dtype": "float32", "device": "cpu", "add_bos_token": True,
             "max_length": 48}
     tasks = ["hf_radix_tiny_mc", "hf_radix_tiny_ppl"]
-    radix = _evaluate("hf-radix", args, tasks, limit=4)
-    hf = _evaluate("hf", {**args, "batch_size": 4}, tasks, limit=4)
+    radix = evaluate("hf-radix", args, tasks, limit=4)
+    hf = evaluate("hf", {**args, "batch_size": 4}, tasks, limit=4)
     _assert_same_samples(radix, hf, tasks)
     ppl = "hf_radix_tiny_ppl"
     metric = "word_perplexity,none"
@@ -92,9 +83,9 @@ def test_chat_template_without_system_role_matches_hf(caplog):
     tasks = ["hf_radix_tiny_gen", "hf_radix_tiny_mc"]
     options = dict(apply_chat_template=True, system_instruction="Answer briefly.", limit=3)
     with caplog.at_level(logging.WARNING, logger="hf_radix"):
-        radix = _evaluate("hf-radix", args, tasks, **options)
+        radix = evaluate("hf-radix", args, tasks, **options)
     assert "without the system message" in caplog.text
-    hf = _evaluate("hf", {**args, "batch_size": 4}, tasks, **options)
+    hf = evaluate("hf", {**args, "batch_size": 4}, tasks, **options)
     _assert_same_samples(radix, hf, tasks)
     prompt = str(radix["samples"]["hf_radix_tiny_gen"][0]["arguments"])
     assert "<user>" in prompt and "<system>" not in prompt  # templated, without the system turn (as hf)
@@ -113,11 +104,11 @@ def tokenizer():
 def test_generation_kwargs_only_hf_applies_match_hf(model, tokenizer, monkeypatch, caplog):
     """repetition_penalty and friends run through generate(cache_implementation="radix"), grouped."""
     ours = HFRadixLM(pretrained=model, tokenizer=tokenizer, max_length=64)
-    theirs = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=2, max_length=64)
+    theirs = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=3, max_length=64)
     penalized = {"until": ["\n"], "max_gen_toks": 10, "do_sample": False, "repetition_penalty": 1.5}
     ngram = {"until": ["."], "max_gen_toks": 8, "no_repeat_ngram_size": 2}
     plain = {"until": ["\n"], "max_gen_toks": 10, "do_sample": False}
-    contexts = ["Question: how many legs? Answer:", "The quick brown fox", "0 1 2 3 4 5", "The radix tree"]
+    contexts = ["Question: how many legs? Answer:", "The quick brown fox", "0 1 2 3 4 5"]
     requests = [Instance("generate_until", {}, (c, dict(k)), i)
                 for i, (c, k) in enumerate((c, k) for k in (penalized, ngram, plain) for c in contexts)]
     calls = []
@@ -131,7 +122,7 @@ def test_generation_kwargs_only_hf_applies_match_hf(model, tokenizer, monkeypatc
     monkeypatch.setattr(model, "generate", generate)
     want = theirs.generate_until(requests)
     assert got == want
-    assert got[:4] != ours.generate_until(requests[8:])  # the penalty changed the answers
+    assert got[:3] != ours.generate_until(requests[6:])  # the penalty changed the answers
     ours.runner.check_integrity()
 
 
