@@ -164,7 +164,8 @@ def hf_generate(
 
 def _generate_batch(model, tokenizer, prompts, kwargs, until, max_new_tokens, beams) -> list[list[int]]:
     width = max(map(len, prompts))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id or 0
+    candidates = (tokenizer.pad_token_id, tokenizer.unk_token_id, tokenizer.eos_token_id)  # hf's choice
+    pad = next((t for t in candidates if t is not None), 0)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):

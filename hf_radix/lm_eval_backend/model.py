@@ -129,10 +129,7 @@ class HFRadixLM(TemplateLM):
                     "hf-radix: pass `tokenizer` along with a model object that has no name_or_path"
                 )
             tokenizer = model_args.load_tokenizer(
-                source,
-                use_fast=use_fast_tokenizer,
-                add_bos_token=add_bos_token,
-                **(hub if tokenizer is None else {**hub, "subfolder": ""}),
+                source, use_fast=use_fast_tokenizer, add_bos_token=add_bos_token, **hub
             )
         else:
             tokenizer = model_args.apply_add_bos_token(tokenizer, add_bos_token)
@@ -190,7 +187,7 @@ class HFRadixLM(TemplateLM):
         self.revision = revision
         self.peft = peft
         self._note_softmax_dtype(model_args.parse_dtype(softmax_dtype, "softmax_dtype"), model.dtype)
-        self.reuse = ReuseCounter(model)
+        self.reuse = ReuseCounter(self.runner.engine)
 
     @staticmethod
     def _note_softmax_dtype(softmax_dtype, model_dtype: torch.dtype) -> None:

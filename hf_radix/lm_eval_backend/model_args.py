@@ -17,7 +17,7 @@ logger = logging.get_logger(__name__)
 # hf's model_args that hf-radix does not take yet, and why.
 REFUSED = {
     **dict.fromkeys(
-        ("parallelize", "device_map", "tp_plan", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"),
+        ("parallelize", "device_map", "tp_plan", "max_memory_per_gpu", "max_cpu_memory"),
         "hf-radix runs on one device for now (multi-GPU placement is a later issue); drop it, or use "
         "--model hf",
     ),
@@ -32,6 +32,7 @@ REFUSED = {
 NO_OP = {
     "attn_implementation": "hf-radix answers every lm-eval request with its own 'radix' attention",
     "logits_cache": "contexts shared between requests are always computed once (the radix tree)",
+    "offload_folder": "nothing is offloaded (it only serves parallelize)",
 }
 
 BATCH_NOTE = (
@@ -41,16 +42,16 @@ BATCH_NOTE = (
 
 
 def check_unknown(kwargs: dict, supported: list[str]) -> None:
-    """Raises for hf model_args hf-radix refuses, or ones neither backend knows; notes the no-ops."""
+    """Raises for hf model_args hf-radix refuses (when set), or ones neither backend knows; notes no-ops."""
     for name in sorted(kwargs):
-        if name in REFUSED:
+        if name in REFUSED and kwargs[name] not in (None, False, ""):
             raise ValueError(f"hf-radix: model_args {name}={kwargs[name]!r}: {REFUSED[name]}")
-    unknown = sorted(set(kwargs) - set(NO_OP))
+    unknown = sorted(set(kwargs) - set(NO_OP) - set(REFUSED))
     if unknown:
         raise TypeError(
             f"hf-radix: unknown model_args {unknown}; supported: {', '.join(sorted(supported + list(NO_OP)))}"
         )
-    for name in kwargs:
+    for name in set(kwargs) & set(NO_OP):
         logger.info("hf-radix: %s=%r has no effect: %s", name, kwargs[name], NO_OP[name])
 
 

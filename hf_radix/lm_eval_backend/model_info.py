@@ -7,7 +7,7 @@ import os
 import torch
 from transformers.utils import logging
 
-from ..engine import get_engine
+from ..engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 
@@ -15,14 +15,14 @@ REUSE_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "generated_
 
 
 class ReuseCounter:
-    """Prefix-reuse counters of the model's engine since this counter was made."""
+    """Prefix-reuse counters of an engine since this counter was made."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, engine: RadixEngine):
+        self.engine = engine
         self.start = self._now()
 
     def _now(self) -> dict[str, int]:
-        stats = get_engine(self.model).stats
+        stats = self.engine.stats
         return {name: getattr(stats, name) for name in REUSE_FIELDS}
 
     def since_start(self) -> dict:
