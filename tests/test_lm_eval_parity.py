@@ -164,6 +164,7 @@ def test_model_args(model, tokenizer):
                    softmax_dtype="float32",
                    truncation=False, use_fast_tokenizer=True, attn_implementation="sdpa", logits_cache=True)
     assert lm.max_length == model.config.max_position_embeddings
+    HFRadixLM(pretrained=model, tokenizer=tokenizer, parallelize=False, device_map=None)  # unset: fine
     with pytest.raises(ValueError, match="one device"):
         HFRadixLM(pretrained=model, tokenizer=tokenizer, device_map="auto")
     with pytest.raises(ValueError, match="one device"):
