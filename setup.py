@@ -19,11 +19,9 @@ setup(
     packages=find_packages(include=["hf_radix", "hf_radix.*"]),
     package_data={"hf_radix.kernels": ["*.cu"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm"],
+    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm", "safetensors"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "flashinfer": ["flashinfer-python"],
-        "flash-attn": ["flash-attn"],
         "datasets": ["datasets"],
         "eval": ["lm-eval>=0.4.13", "accelerate"],
         "test": _read_requirements("requirements-test.txt"),

@@ -15,7 +15,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
+from .capability import check_inputs
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
+from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, build_forward_batch
 
 if TYPE_CHECKING:
@@ -71,6 +73,8 @@ class RadixGenerateCache(RadixCache):
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.finished:  # a finished call's cache handed to a plain forward: fail before any layer
+            raise ValueError(OWN_CACHE_MESSAGE)
         return self.seen
 
     # -- the model's forward during the call ------------------------------------------------------------
@@ -263,7 +267,9 @@ class RadixGenerateCache(RadixCache):
             leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
             if leader != b:
                 self._followers[b] = leader
-            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+            self.engine.record_prompt(
+                n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
+            )
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         if self._followers:
@@ -290,7 +296,7 @@ class RadixGenerateCache(RadixCache):
         if need > available:
             raise ValueError(
                 f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
-                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                f"but only {available} of the pool's {self.engine.pool_tokens} are free or evictable; "
                 "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
                 "or lower max_new_tokens or the batch size"
             )
@@ -468,6 +474,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
     """Raises a ValueError naming the alternative for everything the radix path cannot do."""
     if model.config.is_encoder_decoder:
         raise ValueError("cache_implementation='radix' supports decoder-only models")
+    check_inputs(model, kwargs)
     mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
     if mode not in _SUPPORTED_MODES:
         if mode is not None and "beam" in mode:
@@ -497,10 +504,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
             "neither); drop output_attentions / output_hidden_states, or use the default cache"
         )
     if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
-        raise ValueError(
-            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
-            "cached prefix is reused automatically) and no past_key_values"
-        )
+        raise ValueError(OWN_CACHE_MESSAGE)
 
 
 def _eos_ids(eos) -> list[int]:
@@ -620,7 +624,19 @@ def _radix_generate(original, model, kwargs: dict):
 
 
 def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
-    """Runs `original` generate; through the radix path when the call asks for the "radix" cache."""
+    """Runs `original` generate; through the radix path when the call asks for the "radix" cache.
+
+    A finished radix call's returned `past_key_values` passed back (transformers' continuation idiom)
+    continues through the prefix cache, which already holds that conversation.
+    """
+    from .engine import _ENGINE_ATTR
+
+    for name in ("past_key_values", "cache"):
+        past = kwargs.get(name)
+        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, _ENGINE_ATTR, None)
+        if ours and past.finished:
+            kwargs = {key: value for key, value in kwargs.items() if key != name}
+            kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
         return original(model, *args, **kwargs)
     return _radix_generate(original, model, _as_keywords(original, args, kwargs))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -11,15 +10,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
+from .errors import check_error_mode, raise_or_return
 from .forward_batch import build_forward_batch
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
 from .sampling import SamplingParams, SeededRows, sample
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS
@@ -33,12 +34,18 @@ class RunnerStats:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     generated_tokens: int = 0
     wall_time: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_cached_tokens(self) -> int:
+        """Of cached_tokens, those found on the GPU (the rest came back from the host tier)."""
+        return self.cached_tokens - self.host_cached_tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,7 +55,8 @@ class RunnerStats:
     def __repr__(self) -> str:
         return (
             f"RunnerStats(requests={self.requests}, prompt_tokens={self.prompt_tokens}, "
-            f"cached_tokens={self.cached_tokens}, hit_rate={self.hit_rate:.3f}, "
+            f"cached_tokens={self.cached_tokens}, host_cached_tokens={self.host_cached_tokens}, "
+            f"hit_rate={self.hit_rate:.3f}, "
             f"generated_tokens={self.generated_tokens}, wall_time={self.wall_time:.2f}s, "
             f"tokens_per_s={self.tokens_per_s:.1f})"
         )
@@ -143,7 +151,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -191,7 +199,8 @@ class Scheduler:
             self.pending.popleft()
             req.row = self.manager.open_row(handle)
             req.num_computed = req.cached_tokens = handle.cached_len
-            self.engine.record_prompt(req.prompt_len, handle.cached_len)
+            req.host_cached_tokens = handle.restored_len
+            self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
             end = min(req.prompt_len, req.num_computed + budget)
             items.append((req, req.num_computed, end))
             budget -= end - req.num_computed
@@ -378,24 +387,22 @@ class RadixBatchRunner:
         schedule_policy: str = "lpm",
         attn_backend: str | None = None,
         cuda_graph: bool = True,
+        host_cache_tokens: int | None = None,
+        host_cache_gb: float | None = None,
     ):
         options = dict(
             page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
-            attn_backend=attn_backend,
+            attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
         )
         self.engine = get_engine(model, **{k: v for k, v in options.items() if v is not None})
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()
-        self._scheduler = Scheduler(
-            self.engine,
-            _eos_ids(model, tokenizer),
-            tokenizer,
-            max_running_requests,
-            chunked_prefill_size,
-            schedule_policy,
-            cuda_graph,
+        self._scheduler_args = (
+            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy, cuda_graph,
         )
+        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
@@ -414,9 +421,13 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self.engine = get_engine(self.model)
+            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
-        before = self.engine.stats.prompt_tokens, self.engine.stats.cached_tokens
+        stats = self.engine.stats
+        before = stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens
         try:
             self._scheduler.run(reqs, show)
         finally:
@@ -424,6 +435,7 @@ class RadixBatchRunner:
             self.stats.requests += len(reqs)
             self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
             self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
+            self.stats.host_cached_tokens += self.engine.stats.host_cached_tokens - before[2]
             generated = sum(len(r.generated) for r in reqs if r.score_from is None)
             self.stats.generated_tokens += generated
             self.engine.stats.generated_tokens += generated
@@ -434,10 +446,16 @@ class RadixBatchRunner:
         prompts: Iterable,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool | None = None,
+        errors: str = "return",
     ) -> list[RequestOutput]:
-        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
+        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
+
+        A bad request fails alone: its output has `finish_reason="error"` and the message in `error`;
+        `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
+        """
+        check_error_mode(errors)
         token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
             params = [params] * len(token_lists)
         params = list(params)
@@ -445,7 +463,9 @@ class RadixBatchRunner:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
         self._execute(reqs, progress)
-        return [self._output(r) for r in reqs]
+        outputs = [self._output(r) for r in reqs]
+        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
+        return raise_or_return(outputs, failures, errors, "requests")
 
     def _output(self, req: Req) -> RequestOutput:
         tokens = req.generated
@@ -461,15 +481,21 @@ class RadixBatchRunner:
             token_ids=list(tokens),
             text=text,
             cached_tokens=req.cached_tokens,
+            host_cached_tokens=req.host_cached_tokens,
             finish_reason=req.finish_reason,
             error=req.error,
         )
 
-    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]:
         """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
 
         Contexts shared between pairs are computed once; logits are computed only at continuation positions.
+        A bad pair fails alone: `errors="raise"` raises a `RequestError` (a ValueError carrying every message
+        and the other results) after the others completed; `errors="return"` returns None in its place.
         """
+        check_error_mode(errors)
         pairs = list(pairs)
         contexts = self._tokenize([c for c, _ in pairs])
         continuations = self._tokenize_continuations(pairs)
@@ -481,10 +507,9 @@ class RadixBatchRunner:
                 Scheduler._fail(req, "context and continuation must both be non-empty")
             reqs.append(req)
         self._execute([r for r in reqs if r.finish_reason is None], progress)
-        errors = [r for r in reqs if r.finish_reason == "error"]
-        if errors:
-            raise ValueError(f"{len(errors)} scoring requests failed; first: {errors[0].error}")
-        return [(r.logprob, r.greedy_match) for r in reqs]
+        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
+        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
+        return raise_or_return(results, failures, errors, "scoring requests")
 
     def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
         """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
@@ -507,3 +532,20 @@ class RadixBatchRunner:
     def reset_cache(self) -> None:
         """Drops every cached prefix."""
         self.engine.reset_cache()
+
+    def save_cache(self, path) -> dict:
+        """Writes the prefix cache (tree + K/V of its pages) to a safetensors file; refused while running.
+
+        Returns {"tokens", "bytes", "seconds", "gb_per_s"}.
+        """
+        from .cache_io import save_cache
+
+        return save_cache(self.engine, path)
+
+    def load_cache(self, path) -> dict:
+        """Adds the prefixes of a file written by `save_cache` (same model, dtype and page size), most
+        recently used first while free pages last; a mismatched or damaged file raises CacheFileError
+        and changes nothing."""
+        from .cache_io import load_cache
+
+        return load_cache(self.engine, path)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import math
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 __all__ = [
     "STORE_BUILD_INFO",
@@ -37,7 +37,7 @@ __all__ = [
     "store_kv",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _SRC = Path(__file__).with_name("store.cu")
 _NVCC_FLAGS = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17"]
@@ -219,16 +219,12 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, 
         devs = sorted({str(t.device) for t in (k_cache, v_cache, k, v, out_loc)})
         raise ValueError(f"all tensors must be on one device, got {devs}")
     n = out_loc.shape[0]
-    if k_cache.shape[1:] != v_cache.shape[1:] or k.shape != v.shape:
-        raise ValueError(
-            f"shape mismatch: k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.dim() < 1 or k.shape[0] != n or k.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(
-            f"shape mismatch: k/v must be [{n}, {', '.join(map(str, k_cache.shape[1:]))}] "
-            f"(out_loc has {n} entries), got {tuple(k.shape)}"
-        )
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.dim() < 1 or x.shape[0] != n or x.shape[1:] != cache.shape[1:]:
+            raise ValueError(
+                f"shape mismatch: {name} must be [{n}, {', '.join(map(str, cache.shape[1:]))}] "
+                f"(out_loc has {n} entries), got {tuple(x.shape)}"
+            )
 
 
 def _store_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
