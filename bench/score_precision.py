@@ -129,6 +129,8 @@ def main() -> None:
     fp32 = copy.deepcopy(model).float()
     reference = unpadded(fp32, pairs)
     del fp32
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     hf_bs1 = unpadded(model, pairs)
     systems = {
         "hf_bs1": hf_bs1,
