@@ -362,8 +362,7 @@ class HFRadixLM(TemplateLM):
         if truncated:
             logger.warning(
                 "hf-radix: %d of %d prompts are longer than max_length - max_gen_toks; left truncation "
-                "applied "
-                "(longest %d tokens). Some content will be lost.",
+                "applied (longest %d tokens). Some content will be lost.",
                 len(truncated),
                 len(requests),
                 max(truncated),
