@@ -26,5 +26,8 @@ setup(
         "eval": ["lm-eval>=0.4.13", "accelerate"],
         "test": _read_requirements("requirements-test.txt"),
     },
-    entry_points={"lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"]},
+    entry_points={
+        "lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"],
+        "console_scripts": ["hf-radix-lm-eval = hf_radix.lm_eval_backend:main"],
+    },
 )
