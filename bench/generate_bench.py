@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict:
             "radix_cuda_graphs": core.has_graphs,
             "fused_norm_rope_in_graphs": core.has_graphs and core.fused_ops,
             "default_attention": "sdpa",
-            "pool_tokens": engine.pool.num_slots,
+            "pool_tokens": engine.pool_tokens,
             "model_init_s": init_s,
             "torch": torch.__version__,
             "transformers": transformers.__version__,

@@ -3,9 +3,14 @@
 Importing the package registers the "radix" attention and `cache_implementation="radix"`.
 """
 
+from transformers.utils import logging as _logging
+
+from . import cache_io as _cache_io
 from .attention import register as _register_attention
+from .cache_io import CacheFileError
 from .cache_utils import RadixCache
 from .engine import RadixEngine, configure, get_engine
+from .errors import RequestError, UnsupportedModelError
 from .generate_hook import register_generate_support
 from .radix_tree import IntegrityError
 from .request import RequestOutput
@@ -14,16 +19,21 @@ from .sampling import SamplingParams
 from .stats import RadixStats
 
 __all__ = [
+    "CacheFileError",
     "IntegrityError",
     "RadixBatchRunner",
     "RadixCache",
     "RadixEngine",
+    "RequestError",
     "RequestOutput",
     "RadixStats",
     "SamplingParams",
+    "UnsupportedModelError",
     "cache_stats",
     "configure",
     "get_engine",
+    "load_cache",
+    "save_cache",
 ]
 __version__ = "0.1.0"
 
@@ -33,5 +43,18 @@ def cache_stats(model) -> dict:
     return get_engine(model).stats_dict()
 
 
+def save_cache(model, path) -> dict:
+    """Saves the model's prefix cache to a safetensors file; see `RadixBatchRunner.save_cache`."""
+    return _cache_io.save_cache(get_engine(model), path)
+
+
+def load_cache(model, path) -> dict:
+    """Loads a saved prefix cache into the model's engine; refuses another model, dtype or layout."""
+    return _cache_io.load_cache(get_engine(model), path)
+
+
+# transformers' get_logger leaves other packages outside its root logger: hanging "hf_radix" under it
+# makes transformers.logging.set_verbosity_* (and TRANSFORMERS_VERBOSITY) control hf_radix's messages.
+_logging.get_logger(__name__).parent = _logging.get_logger()
 _register_attention()
 register_generate_support()

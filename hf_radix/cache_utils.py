@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .forward_batch import ForwardBatch
+from .latent import context_latents
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -36,6 +37,8 @@ class RadixCache(Cache):
         k = key_states[0].transpose(0, 1)
         v = value_states[0].transpose(0, 1)
         self.engine.pool.store_kv(k, v, self.batch.out_loc, layer_idx)
+        if self.engine.pool.shape.latent:  # MLA: the layer expands its whole context's latents itself
+            return context_latents(self.engine.pool, self.batch, layer_idx, k, v)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

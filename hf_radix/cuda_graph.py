@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .fused_ops import fused_norm_and_rope
@@ -35,7 +35,7 @@ from .page_table import PADDING_ROW
 if TYPE_CHECKING:
     from .engine import RadixEngine
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
@@ -71,17 +71,18 @@ class _CapturedForwards(abc.ABC):
         if self.capture:
             device = engine.device
             tokens, rows = max_tokens, max_rows + 1  # + the padding row of extend batches
-            self._static = {
-                "input_ids": torch.zeros(tokens, dtype=torch.int64, device=device),
-                "positions": torch.zeros(tokens, dtype=torch.int64, device=device),
-                "out_loc": torch.full((tokens,), self.table.scratch_slot, dtype=torch.int64, device=device),
-                "logits_indices": torch.zeros(rows, dtype=torch.int64, device=device),
-                "kv": torch.full((rows * self.kv_bound,), self.table.scratch_slot, dtype=torch.int64,
-                                 device=device),
-                "qo_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
-                "lens": torch.zeros(rows, dtype=torch.int32, device=device),
-                "kv_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
-            }
+            with torch.inference_mode(False):  # written later by calls in any grad mode
+                scratch = self.table.scratch_slot
+                self._static = {
+                    "input_ids": torch.zeros(tokens, dtype=torch.int64, device=device),
+                    "positions": torch.zeros(tokens, dtype=torch.int64, device=device),
+                    "out_loc": torch.full((tokens,), scratch, dtype=torch.int64, device=device),
+                    "logits_indices": torch.zeros(rows, dtype=torch.int64, device=device),
+                    "kv": torch.full((rows * self.kv_bound,), scratch, dtype=torch.int64, device=device),
+                    "qo_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                    "lens": torch.zeros(rows, dtype=torch.int32, device=device),
+                    "kv_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                }
             self._pool = torch.cuda.graph_pool_handle()
 
     @property

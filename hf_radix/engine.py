@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
+from transformers.utils import logging
 
 from .attention import make_backend, register
 from .cache_manager import CacheManager
 from .cache_utils import RadixCache
+from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
 from .forward_context import attention_configs, radix_attention, radix_forward
-from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .host_tier import HostTier, host_tier_tokens
+from .kv_pool import KVPool, pool_size_tokens
 from .model_runner import ModelRunner
 from .stats import RadixStats
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
 
@@ -36,6 +38,8 @@ class EngineOptions:
     cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
     cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
     fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels in graphs
+    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
+    host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -49,9 +53,11 @@ class RadixEngine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
+        support = check_model(model)  # UnsupportedModelError before anything is allocated
+        install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
-        shape = KVShape.from_config(model.config)
+        shape = support.kv_shape
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
@@ -66,6 +72,11 @@ class RadixEngine:
         self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size, device=device, scratch_slot=self.scratch_slot)
+        host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+        if self.host_tier is not None:
+            self.host_tier.attach(self.manager)
+        _announce_pool(self.pool, self.pool_tokens, self.options)
         self.backend = make_backend(self.options.attn_backend, device)
         self.stats = RadixStats()
         self._model_runner: ModelRunner | None = None
@@ -83,7 +94,23 @@ class RadixEngine:
 
     @property
     def page_size(self) -> int:
-        return self.pool.page_size
+        return self.manager.page_size
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of K/V the pool holds for requests (the scratch page of padded graph rows excluded)."""
+        return self.manager.num_pages * self.manager.page_size
+
+    @property
+    def closed(self) -> bool:
+        """True once `get_engine` replaced this engine and released its pool."""
+        return self.pool is None
+
+    @property
+    def captures_graphs(self) -> bool:
+        """Forwards can replay CUDA graphs: CUDA, Triton attention, and K/V read from the pool (not MLA
+        latents, whose layers re-read every row's whole context)."""
+        return self.device.type == "cuda" and self.backend.name == "triton" and not self.pool.shape.latent
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -123,10 +150,11 @@ class RadixEngine:
         self.stats.computed_tokens += num_tokens
         self.stats.forward_calls += 1
 
-    def record_prompt(self, prompt_len: int, cached_len: int) -> None:
+    def record_prompt(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
         self.stats.requests += 1
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
+        self.stats.host_cached_tokens += host_len
 
     def stats_dict(self) -> dict:
         size = self.manager.tree.size_info
@@ -134,7 +162,8 @@ class RadixEngine:
             **self.stats.as_dict(),
             "evicted_tokens": self.manager.evicted_tokens,
             "tree_tokens": size.total_size,
-            "pool_tokens": self.manager.num_pages * self.page_size,
+            "pool_tokens": self.pool_tokens,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -143,17 +172,83 @@ class RadixEngine:
     def reset_cache(self) -> None:
         self.manager.reset()
 
+    def set_backends(self, options: EngineOptions) -> None:
+        """Switches the attention and store backends and graph options; the pool and its cached prefixes stay.
+
+        The model-runner core is rebuilt on next use (its graphs were captured with the old backends).
+        """
+        self.backend = make_backend(options.attn_backend, self.device)
+        self.pool.store_backend = options.store_backend
+        self.options = options
+        self._model_runner = None
+
+    def close(self) -> None:
+        """Releases the pool and its host tier for good; runners bound to this engine rebind on next use."""
+        device = self.device
+        if self.host_tier is not None:  # the tier holds the pool
+            self.host_tier.detach()
+        self.pool = self.host_tier = self._model_runner = None  # the runner core holds graph memory
+        if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
+            torch.cuda.empty_cache()
+
+
+def _announce_pool(pool: KVPool, tokens: int, options: EngineOptions) -> None:
+    """Says how much memory the pool took and how to size it: a WARNING, once, unless sized by hand on CPU."""
+    if options.max_total_tokens is not None:
+        sized_by = f"max_total_tokens={options.max_total_tokens:,}"
+    elif pool.device.type == "cuda":
+        sized_by = f"mem_fraction={options.mem_fraction} of the free GPU memory"
+    else:
+        sized_by = "the default size off GPU"
+    gib = pool.buffer.numel() * pool.buffer.element_size() / 2**30
+    message = (
+        f"hf_radix: the KV pool of this model takes {gib:.2f} GiB of {pool.device} memory "
+        f"({tokens:,} tokens, {sized_by}); to change it, call "
+        "hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
+        "or pass either to RadixBatchRunner"
+    )
+    if options.max_total_tokens is None or pool.device.type == "cuda":
+        logger.warning_once(message)
+    else:
+        logger.info(message)
+
+
+# Options read only by the forward path: a new value replaces the engine's backends (and its model-runner
+# core) and keeps its cache.
+_BACKEND_OPTIONS = ("attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops")
+
+
+def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:
+    """Whether two option sets build the same pool (mem_fraction is unused when max_total_tokens is set)."""
+    unused = ("mem_fraction",) if a.max_total_tokens is not None else ()
+    keep = set(_BACKEND_OPTIONS) | set(unused)
+    return {k: v for k, v in asdict(a).items() if k not in keep} == {
+        k: v for k, v in asdict(b).items() if k not in keep
+    }
+
 
 def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
-    """The model's engine, created on first use; replaced (when idle) if `options` ask for another pool."""
-    engine = getattr(model, _ENGINE_ATTR, None)
-    requested = EngineOptions(**{**(asdict(engine.options) if engine else {}), **options})
-    if engine is not None:
-        if requested == engine.options:
-            return engine
-        if engine.manager.num_rows:
-            raise RuntimeError("cannot change hf_radix pool options while requests are running on this model")
-        logger.info("replacing the hf_radix engine of this model: %s", requested)
+    """The model's engine, created on first use.
+
+    Options that only change backends update the engine in place and keep its cache; options that need
+    another pool release the old pool first (only while no request is running), so a model never holds two.
+    """
+    engine: RadixEngine | None = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        engine = RadixEngine(model, EngineOptions(**options))
+        setattr(model, _ENGINE_ATTR, engine)
+        return engine
+    requested = EngineOptions(**{**asdict(engine.options), **options})
+    if requested == engine.options:
+        return engine
+    if engine.manager.num_rows:
+        raise RuntimeError("cannot change hf_radix options while requests are running on this model")
+    if _same_pool(requested, engine.options):
+        engine.set_backends(requested)
+        return engine
+    logger.info("releasing the hf_radix KV pool of this model for one with %s", requested)
+    engine.close()
+    delattr(model, _ENGINE_ATTR)
     engine = RadixEngine(model, requested)
     setattr(model, _ENGINE_ATTR, engine)
     return engine

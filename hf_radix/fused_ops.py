@@ -14,7 +14,6 @@ dtypes the kernels do not take.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -22,10 +21,11 @@ from types import CodeType, ModuleType
 
 import torch
 from transformers.models.llama import modeling_llama
+from transformers.utils import logging
 
 from .kernels import interpreting
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _fusing: ContextVar[bool] = ContextVar("hf_radix_fusing", default=False)  # this context is capturing
 

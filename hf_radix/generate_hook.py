@@ -16,7 +16,9 @@ from contextvars import ContextVar
 import torch
 
 from .cache_utils import CACHE_IMPLEMENTATION
-from .engine import get_engine
+from .capability import check_inputs
+from .engine import _ENGINE_ATTR, get_engine
+from .errors import OWN_CACHE_MESSAGE
 from .generate_session import RadixGenerateCache
 from .request import token_id_list
 
@@ -84,6 +86,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
     """Raises a ValueError naming the alternative for everything the radix path cannot do."""
     if model.config.is_encoder_decoder:
         raise ValueError("cache_implementation='radix' supports decoder-only models")
+    check_inputs(model, kwargs)
     mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
     if mode not in _SUPPORTED_MODES:
         if mode is not None and "beam" in mode:
@@ -113,10 +116,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
             "neither); drop output_attentions / output_hidden_states, or use the default cache"
         )
     if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
-        raise ValueError(
-            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
-            "cached prefix is reused automatically) and no past_key_values"
-        )
+        raise ValueError(OWN_CACHE_MESSAGE)
 
 
 def _sequences(result) -> torch.Tensor | None:
@@ -195,7 +195,17 @@ def _radix_generate(original, model, kwargs: dict):
 
 
 def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
-    """Runs `original` generate; through the radix path when the call asks for the "radix" cache."""
+    """Runs `original` generate; through the radix path when the call asks for the "radix" cache.
+
+    A finished radix call's returned `past_key_values` passed back (transformers' continuation idiom)
+    continues through the prefix cache, which already holds that conversation.
+    """
+    for name in ("past_key_values", "cache"):
+        past = kwargs.get(name)
+        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, _ENGINE_ATTR, None)
+        if ours and past.finished:
+            kwargs = {key: value for key, value in kwargs.items() if key != name}
+            kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
         return original(model, *args, **kwargs)
     return _radix_generate(original, model, _as_keywords(original, args, kwargs))

@@ -16,6 +16,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import RadixCache
+from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .forward_context import current_forward, model_attention, radix_forward
 from .model_runner import ModelRunner
@@ -71,6 +72,8 @@ class RadixGenerateCache(RadixCache):
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.finished:  # a finished call's cache handed to a plain forward: fail before any layer
+            raise ValueError(OWN_CACHE_MESSAGE)
         return self.seen
 
     # -- the model's forward during the call ------------------------------------------------------------
@@ -261,7 +264,9 @@ class RadixGenerateCache(RadixCache):
             leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
             if leader != b:
                 self._followers[b] = leader
-            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+            self.engine.record_prompt(
+                n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
+            )
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         if self._followers:
@@ -288,7 +293,7 @@ class RadixGenerateCache(RadixCache):
         if need > available:
             raise ValueError(
                 f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
-                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                f"but only {available} of the pool's {self.engine.pool_tokens} are free or evictable; "
                 "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
                 "or lower max_new_tokens or the batch size"
             )

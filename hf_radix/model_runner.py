@@ -2,8 +2,8 @@
 
 It is the one place that picks how a step runs: a captured decode graph (one new token per row), a
 captured extend graph (a few new tokens per row after cached prefixes), or an eager forward. Graphs exist
-on CUDA with the Triton attention; `warm_up` captures every shape and compiles the eager kernels before
-the first request, so a first run costs what a steady one does.
+where `engine.captures_graphs` (CUDA, Triton attention, no MLA latent pool); `warm_up` captures every
+shape and compiles the eager kernels before the first request, so a first run costs what a steady one does.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class ModelRunner:
         self.fused_ops = fused_ops
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
-        if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
+        if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
             self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops)
             self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
         self.warm_up_times: dict[str, float] = {}

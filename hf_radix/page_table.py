@@ -40,8 +40,9 @@ class PageTable:
         self.device = torch.device(device)
         self.scratch_slot = scratch_slot
         self.host = np.zeros((_FIRST_ROWS, width), dtype=np.int32)
-        self.slots = torch.zeros((_FIRST_ROWS, width), dtype=torch.int32, device=self.device)
-        self.next_token = torch.zeros(_FIRST_ROWS, dtype=torch.int64, device=self.device)
+        with torch.inference_mode(False):  # written later by calls in any grad mode
+            self.slots = torch.zeros((_FIRST_ROWS, width), dtype=torch.int32, device=self.device)
+            self.next_token = torch.zeros(_FIRST_ROWS, dtype=torch.int64, device=self.device)
         self.host[PADDING_ROW] = scratch_slot
         self.slots[PADDING_ROW] = scratch_slot
         self._free_rows = list(range(_FIRST_ROWS - 1, PADDING_ROW, -1))  # a stack: lowest row on top
@@ -55,8 +56,9 @@ class PageTable:
         if not self._free_rows:
             old = self.capacity
             self.host = np.concatenate([self.host, np.zeros_like(self.host)])
-            self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
-            self.next_token = torch.cat([self.next_token, torch.zeros_like(self.next_token)])
+            with torch.inference_mode(False):
+                self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
+                self.next_token = torch.cat([self.next_token, torch.zeros_like(self.next_token)])
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         return self._free_rows.pop()
 

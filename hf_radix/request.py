@@ -17,6 +17,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
 
@@ -39,6 +40,7 @@ class Req:
     num_computed: int = 0  # positions whose K/V a launched step computes
     launched: int = 0  # generated tokens whose sampling has been launched (known or still on the device)
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     logprob: float = 0.0
     greedy_match: bool = True
     finish_reason: str | None = None

@@ -44,6 +44,45 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
 
+    @classmethod
+    def from_generation_config(cls, config) -> SamplingParams:
+        """The parameters `generate` would sample with under `config` (e.g. `model.generation_config`).
+
+        Unset fields take transformers' generate defaults (greedy unless `do_sample`; top_k=50 when sampling).
+        `max_length` counts the prompt and is not read: without `max_new_tokens` the default of 64 applies.
+        Settings the runner cannot honour exactly (beam search, repetition penalties, min-p, ...) raise.
+        """
+        defaults = getattr(config, "_get_default_generation_params", dict)()
+
+        def value(name: str, neutral=None):
+            got = getattr(config, name, None)
+            return defaults.get(name, neutral) if got is None else got
+
+        do_sample = bool(value("do_sample", False))
+        neutral = {
+            "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "sequence_bias": None,
+            "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+            "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "penalty_alpha": None,
+            "dola_layers": None, "guidance_scale": None, "watermarking_config": None,
+        }
+        if do_sample:
+            neutral.update(min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        unsupported = {k: value(k, v) for k, v in neutral.items() if value(k, v) not in (v, None)}
+        if unsupported:
+            raise ValueError(
+                f"the generation config sets {unsupported}, which RadixBatchRunner cannot honour; "
+                "pass SamplingParams(...) explicitly to run without them"
+            )
+        top_k = value("top_k", 0) or -1
+        return cls(
+            max_new_tokens=value("max_new_tokens", cls.max_new_tokens),
+            temperature=float(value("temperature", 1.0)) if do_sample else 0.0,
+            top_p=float(value("top_p", 1.0)) if do_sample else 1.0,
+            top_k=top_k if do_sample else -1,
+            stop=value("stop_strings"),
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

@@ -102,7 +102,7 @@ class Scheduler:
         if self.schedule_policy == "lpm":
             manager = self.manager
             self.pending = PrefixAwareQueue(
-                ready, lambda ids: manager.match(ids).cached_len, lambda: manager.evicted_tokens
+                ready, manager.gpu_cached_len, lambda: manager.evicted_tokens
             )
         else:
             self.pending = deque(ready)
@@ -162,7 +162,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -210,7 +210,8 @@ class Scheduler:
             self.pending.popleft()
             req.row = self.manager.open_row(handle)
             req.num_computed = req.cached_tokens = handle.cached_len
-            self.engine.record_prompt(req.prompt_len, handle.cached_len)
+            req.host_cached_tokens = handle.restored_len
+            self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
             end = min(req.prompt_len, req.num_computed + budget)
             items.append((req, req.num_computed, end))
             budget -= end - req.num_computed

@@ -1,0 +1,6 @@
+"""`python -m hf_radix.lm_eval_backend ...`: lm-eval's CLI with "hf-radix" registered."""
+
+from . import main
+
+if __name__ == "__main__":  # importing the module (package walks, docs tools) runs nothing
+    main()
