@@ -11,11 +11,11 @@ from transformers.utils import logging
 from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
 from .errors import UnsupportedModelError
 from .forward_batch import ForwardBatch
+from .forward_context import ATTENTION_NAME, current_forward
 from .latent import expanded_attention_inputs
 
 logger = logging.get_logger(__name__)
 
-ATTENTION_NAME = "radix"
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -157,7 +157,7 @@ def radix_attention_forward(
     `s_aux` are gpt-oss's attention sinks. Arguments that would change the result and that this
     attention does not implement raise instead of being ignored.
     """
-    cache = kwargs.get("radix_cache")
+    cache = current_forward()
     if cache is None or cache.batch is None:
         raise RuntimeError(
             "the 'radix' attention runs only inside hf_radix forwards (RadixBatchRunner or "

@@ -153,7 +153,7 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     for layer in layers:
         gathers[f"k.{layer}"] = lambda layer=layer: pool.k_cache(layer).index_select(0, slot_index)
         gathers[f"v.{layer}"] = lambda layer=layer: pool.v_cache(layer).index_select(0, slot_index)
-    kv_shape = (len(slots), pool.shape.num_kv_heads, pool.shape.head_dim)
+    dims = {"k": pool.shape.head_dim, "v": pool.shape.value_dim}
     digests = {name: tensor_digest(t) for name, t in tensors.items()}
     digests.update({name: tensor_digest(gather()) for name, gather in gathers.items()})
     metadata = {
@@ -167,7 +167,7 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "digests": json.dumps(digests),
     }
     specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
-    specs += [(name, pool.dtype, kv_shape) for name in gathers]
+    specs += [(name, pool.dtype, (len(slots), pool.shape.num_kv_heads, dims[name[0]])) for name in gathers]
     tmp = Path(f"{os.fspath(path)}.tmp")
     with open(tmp, "wb") as f:
         _write_header(f, metadata, specs)
@@ -260,8 +260,9 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         tree = {name: _read_checked(f, name, digests, path) for name in TREE_TENSORS}
         parent, length, last_access, tokens = (tree[n].numpy() for n in TREE_TENSORS)
         _check_tree(engine, parent, length, last_access, tokens, path)
-        kv_shape = [len(tokens), engine.pool.shape.num_kv_heads, engine.pool.shape.head_dim]
+        dims = {"k": engine.pool.shape.head_dim, "v": engine.pool.shape.value_dim}
         for name in kv_names:
+            kv_shape = [len(tokens), engine.pool.shape.num_kv_heads, dims[name[0]]]
             info = f.get_slice(name)
             if info.get_shape() != kv_shape or info.get_dtype() != _DTYPES[engine.pool.dtype]:
                 raise CacheFileError(

@@ -58,8 +58,10 @@ CACHE_IMPLEMENTATION = "radix"
 def register_generate_support() -> None:
     """Makes "radix" a valid `cache_implementation` and routes such `generate` calls here (idempotent).
 
-    Touches transformers in two places only: the tuple of valid cache implementations, and a thin wrapper
-    around `GenerationMixin.generate` that passes every other call through unchanged.
+    Touches transformers in three places only: the tuple of valid cache implementations, a thin wrapper
+    around `GenerationMixin.generate` that passes every other call through unchanged, and one around
+    `GenerationMixin._prepare_generation_config` that unsets, in a radix call's own context only, the
+    settings the radix path takes over.
     """
     from transformers.generation import configuration_utils as gen_config
     from transformers.generation.utils import GenerationMixin
@@ -78,3 +80,12 @@ def register_generate_support() -> None:
 
     generate._hf_radix = True
     GenerationMixin.generate = generate
+    original_prepare = GenerationMixin._prepare_generation_config
+
+    @functools.wraps(original_prepare)
+    def _prepare_generation_config(self, *args, **kwargs):
+        from .generation import prepare_generation_config
+
+        return prepare_generation_config(original_prepare, self, args, kwargs)
+
+    GenerationMixin._prepare_generation_config = _prepare_generation_config

@@ -109,17 +109,26 @@ def _is_torch_class(cls: type) -> bool:
 def check_model(model: torch.nn.Module) -> ModelSupport:
     """Raises UnsupportedModelError unless hf_radix can run ``model`` exactly; returns what it found."""
     name = type(model).__name__
-    config = model.config
-    text = config.get_text_config(decoder=True)
 
     def refuse(reason: str) -> UnsupportedModelError:
         return UnsupportedModelError(name, reason)
 
-    if getattr(config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False):
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
     _check_multimodal(model, refuse)
-    classes = dict.fromkeys(type(m) for m in model.modules() if not _is_torch_class(type(m)))
-    for cls in classes:
+    _check_recurrent(model, refuse)
+    if not getattr(model, "_supports_attention_backend", False):
+        raise refuse(
+            "its attention does not go through transformers' attention interface (the model class does "
+            "not declare _supports_attention_backend), so the radix attention would never see its layers"
+        )
+    attention = _attention_layers(model, refuse)
+    return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
+
+
+def _check_recurrent(model: torch.nn.Module, refuse) -> None:
+    """Refuses state-space / linear-attention layers (whole models or hybrids), other layer types."""
+    for cls in dict.fromkeys(type(m) for m in model.modules() if not _is_torch_class(type(m))):
         source = _forward_source(cls) or ""
         marker = next((m for m in RECURRENT_MARKERS if m in source), None)
         if marker is not None:
@@ -127,19 +136,19 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
                 f"{cls.__name__} keeps a recurrent (state-space / linear-attention) state ({marker}); a "
                 "running state cannot be shared through a prefix cache"
             )
-    layer_types = getattr(text, "layer_types", None) or ()
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
     if other:
         raise refuse(f"it has {', '.join(other)} layers; hf_radix runs full and sliding-window attention")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise refuse(
-            "its attention does not go through transformers' attention interface (the model class does "
-            "not declare _supports_attention_backend), so the radix attention would never see its layers"
-        )
+
+
+def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
+    """The attention modules, one per decoder layer, each calling the interface with handled arguments."""
     attention = [m for m in model.modules() if _attention_call_keywords(type(m)) is not None]
+    ids = {id(m) for m in attention}
     for module in model.modules():
         cls = type(module)
-        if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and module not in attention:
+        if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and id(module) not in ids:
             raise refuse(
                 f"{cls.__name__} computes attention itself, not through transformers' attention interface"
             )
@@ -153,14 +162,14 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     for module in attention:
         if getattr(module, "is_causal", True) is False:
             raise refuse(f"{type(module).__name__} is not causal")
-    layers = getattr(text, "num_hidden_layers", None)
+    layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
     if not attention:
         raise refuse("it has no attention layer (a recurrent model)")
     if layers is not None and len(attention) != layers:
         raise refuse(f"{len(attention)} of its {layers} layers are attention layers (a hybrid model)")
     if sorted(getattr(m, "layer_idx", -1) for m in attention) != list(range(len(attention))):
         raise refuse("its attention layers are not numbered 0..N-1 (layer_idx)")
-    return ModelSupport(name, len(attention), _kv_shape(attention[0], config))
+    return attention
 
 
 def _check_multimodal(model: torch.nn.Module, refuse) -> None:

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+import threading
 from dataclasses import asdict, dataclass
 
 import torch
 from transformers.utils import logging
 
-from .attention import ATTENTION_NAME, make_backend, register
+from .attention import make_backend, register
 from .cache_manager import CacheManager
 from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
+from .forward_context import attention_configs, radix_attention, radix_forward
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool, pool_size_tokens
 
@@ -59,21 +60,6 @@ class EngineOptions:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
 
 
-@contextlib.contextmanager
-def radix_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Switches the model to the "radix" attention for the duration of the block."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous == ATTENTION_NAME:
-        yield
-        return
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
-
-
 class RadixEngine:
     """Owns the paged KV pool and the radix tree of one model; shared by the runner and `generate`."""
 
@@ -108,6 +94,10 @@ class RadixEngine:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.takes_logits_to_keep = "logits_to_keep" in params
+        self.attention_configs = attention_configs(model)
+        # Radix calls (runner runs, generate calls) on this engine run one at a time; reentrant, so that a
+        # call made inside another one in the same thread (a runner inside a logits processor) can proceed.
+        self.lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
@@ -127,21 +117,30 @@ class RadixEngine:
         """True once `get_engine` replaced this engine and released its pool."""
         return self.pool is None
 
+    @property
+    def captures_graphs(self) -> bool:
+        """Forwards can replay CUDA graphs: CUDA, Triton attention, and K/V read from the pool (not MLA
+        latents, whose layers re-read every row's whole context)."""
+        return self.device.type == "cuda" and self.backend.name == "triton" and not self.pool.shape.latent
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         from .cache_utils import RadixCache
 
         cache = RadixCache(self, batch)
-        with radix_attention(self.model), torch.inference_mode():
+        with self.radix_attention(), radix_forward(cache), torch.inference_mode():
             out = self.model(
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
                 use_cache=True,
                 logits_to_keep=batch.logits_indices,
-                radix_cache=cache,
                 **{self.cache_kwarg: cache},
             )
         return out.logits[0]
+
+    def radix_attention(self) -> contextlib.AbstractContextManager:
+        """The model reads the "radix" attention in this thread (only) for the duration of the block."""
+        return radix_attention(self.attention_configs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """`run_model`, counted in the engine's statistics."""
@@ -181,9 +180,11 @@ class RadixEngine:
         self.options = options
 
     def close(self) -> None:
-        """Releases the pool (this engine cannot run again); runners bound to it rebind on their next call."""
+        """Releases the pool and its host tier for good; runners bound to this engine rebind on next use."""
         device = self.device
-        self.pool = None
+        if self.host_tier is not None:  # the tier holds the pool
+            self.host_tier.detach()
+        self.pool = self.host_tier = None
         if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
             torch.cuda.empty_cache()
 

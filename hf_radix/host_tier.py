@@ -30,8 +30,6 @@ logger = logging.get_logger(__name__)
 __all__ = ["HostTier", "host_tier_tokens"]
 
 # The pool is [2, layers, pages, page_size, heads, dim]; the host buffer keeps each page contiguous.
-PAGE_MAJOR = (2, 0, 1, 3, 4, 5)  # pool layout -> [pages, 2, layers, page_size, heads, dim]
-POOL_MAJOR = (1, 2, 0, 3, 4, 5)  # and back
 STAGING_BYTES = 256 << 20
 
 
@@ -71,13 +69,14 @@ class HostTier:
         self.tree = RadixPrefixCache(ps)
         cuda = pool.device.type == "cuda"
         shape = pool.shape
-        self.buffer = torch.empty(
-            (self.num_pages, 2, shape.num_layers, ps, shape.num_kv_heads, shape.head_dim),
-            dtype=pool.dtype,
-            pin_memory=cuda,
+        # Page-major host copies of the pool's keys and values: [pages, layers, page_size, heads, dim].
+        self.keys, self.values = (
+            torch.empty((self.num_pages, shape.num_layers, ps, shape.num_kv_heads, dim), dtype=pool.dtype,
+                        pin_memory=cuda)
+            for dim in (shape.head_dim, shape.value_dim)
         )
         self.stream = torch.cuda.Stream(pool.device) if cuda else None
-        page_bytes = self.buffer[0].numel() * self.buffer.element_size()
+        page_bytes = ps * shape.bytes_per_token(pool.dtype)
         self._chunk_pages = max(1, STAGING_BYTES // page_bytes)  # bounds the GPU staging buffer of a copy
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
@@ -88,7 +87,7 @@ class HostTier:
         logger.info(
             "host tier: %d tokens, %.2f GiB%s",
             self.num_pages * ps,
-            self.buffer.numel() * self.buffer.element_size() / 2**30,
+            self.num_pages * page_bytes / 2**30,
             " pinned" if cuda else "",
         )
 
@@ -99,6 +98,11 @@ class HostTier:
         self.manager = manager
         manager.host_tier = self
         manager.tree.on_evict = self._keep
+
+    def detach(self) -> None:
+        """Undoes `attach`: the manager evicts and matches without the tier again."""
+        self.manager.host_tier = None
+        self.manager.tree.on_evict = None
 
     # -- GPU -> host ---------------------------------------------------------------------------------
     def _keep(self, node: RadixNode) -> None:
@@ -182,27 +186,39 @@ class HostTier:
             return index
         return index.pin_memory().to(self.pool.device, non_blocking=True)
 
+    def _slot_index(self, pages: np.ndarray) -> torch.Tensor:
+        """The pool slots of `pages`, page after page, on the pool's device."""
+        ps = self.page_size
+        return self._index((pages[:, None] * ps + np.arange(ps)).reshape(-1))
+
     def _copy_out(self, gpu_slots: np.ndarray, host_slots: np.ndarray) -> None:
-        ps, pool = self.page_size, self.pool.buffer
+        ps = self.page_size
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
         with self._side_stream():
             for lo in range(0, len(host_pages), self._chunk_pages):
                 hi = lo + self._chunk_pages
-                staged = pool.index_select(2, self._index(gpu_pages[lo:hi])).permute(PAGE_MAJOR).contiguous()
-                for offset, page, count in _runs(host_pages[lo:hi]):
-                    self.buffer[page : page + count].copy_(staged[offset : offset + count], non_blocking=True)
+                index = self._slot_index(gpu_pages[lo:hi])
+                for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
+                    layers, _, heads, dim = pool_side.shape
+                    staged = pool_side.index_select(1, index).view(layers, -1, ps, heads, dim)
+                    staged = staged.transpose(0, 1).contiguous()
+                    for at, page, count in _runs(host_pages[lo:hi]):
+                        host_side[page : page + count].copy_(staged[at : at + count], non_blocking=True)
 
     def _copy_in(self, host_slots: np.ndarray, gpu_slots: np.ndarray) -> None:
-        ps, pool = self.page_size, self.pool.buffer
+        ps = self.page_size
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
         with self._side_stream():
             for lo in range(0, len(host_pages), self._chunk_pages):
                 hi = lo + self._chunk_pages
-                shape = (len(host_pages[lo:hi]), *self.buffer.shape[1:])
-                staged = torch.empty(shape, dtype=pool.dtype, device=pool.device)
-                for offset, page, count in _runs(host_pages[lo:hi]):
-                    staged[offset : offset + count].copy_(self.buffer[page : page + count], non_blocking=True)
-                pool.index_copy_(2, self._index(gpu_pages[lo:hi]), staged.permute(POOL_MAJOR))
+                index = self._slot_index(gpu_pages[lo:hi])
+                for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
+                    shape = (len(host_pages[lo:hi]), *host_side.shape[1:])
+                    staged = torch.empty(shape, dtype=pool_side.dtype, device=pool_side.device)
+                    for at, page, count in _runs(host_pages[lo:hi]):
+                        staged[at : at + count].copy_(host_side[page : page + count], non_blocking=True)
+                    layers, _, heads, dim = pool_side.shape
+                    pool_side.index_copy_(1, index, staged.transpose(0, 1).reshape(layers, -1, heads, dim))
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:

@@ -138,6 +138,16 @@ class KVPool:
             self._k_all[:, dst_t] = self._k_all[:, src_t]
             self._v_all[:, dst_t] = self._v_all[:, src_t]
 
+    @property
+    def keys(self) -> torch.Tensor:
+        """Every layer's keys, `[layers, slots, kv_heads, head_dim]` (a view of `buffer`)."""
+        return self._k_all
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every layer's values, `[layers, slots, kv_heads, value_dim]` (a view of `buffer`)."""
+        return self._v_all
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
         """Writes one layer's `k` (`[T, kv_heads, head_dim]`) and `v` (`[T, kv_heads, value_dim]`)."""
         k, v = k.to(self.dtype), v.to(self.dtype)

@@ -16,14 +16,16 @@ from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
 from .forward_batch import build_forward_batch
+from .logprobs import target_logprobs
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
-from .sampling import SamplingParams, SeededRows, sample
+from .sampling import Sampler, SamplingParams
+from .schedule_policy import PrefixAwareQueue
+from .stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
-LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
 
@@ -86,13 +88,14 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
-        self.seeded = SeededRows(engine.device)
+        self.sampler = Sampler(engine.device)
+        self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
-        if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
+        if cuda_graph and engine.captures_graphs:
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
             self.extend_graphs = shared_extend_graphs(engine)
-        self.pending: deque[Req] = deque()
+        self.pending: deque[Req] | PrefixAwareQueue = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
 
@@ -100,9 +103,13 @@ class Scheduler:
     def run(self, reqs: list[Req], progress: bool) -> None:
         """Runs `reqs` to completion (or error); on any exception releases everything it holds."""
         ready = [r for r in reqs if self._admissible(r)]
-        if self.schedule_policy == "lpm" and len(ready) <= LPM_MAX_QUEUE:
-            ready.sort(key=lambda r: r.token_ids)  # depth-first order of the prompts' trie
-        self.pending = deque(ready)
+        if self.schedule_policy == "lpm":
+            manager = self.manager
+            self.pending = PrefixAwareQueue(
+                ready, lambda ids: manager.match(ids).cached_len, lambda: manager.evicted_tokens
+            )
+        else:
+            self.pending = deque(ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self._bar = bar
@@ -306,9 +313,7 @@ class Scheduler:
             return
         index = torch.cat([torch.arange(s.start, s.stop) for _, s, _ in scored]).to(logits.device)
         targets = torch.from_numpy(np.concatenate([t for _, _, t in scored])).to(logits.device)
-        chosen = logits[index].float()
-        logp = chosen.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-        greedy = chosen.argmax(-1) == targets
+        logp, greedy = target_logprobs(logits, index, targets)
         logp_host, greedy_host = logp.double().cpu().numpy(), greedy.cpu().numpy()
         offset = 0
         for req, rows, _ in scored:
@@ -318,7 +323,7 @@ class Scheduler:
             offset += n
 
     def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded).tolist()
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.index for r in reqs]).tolist()
         for req, token in zip(reqs, tokens):
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
@@ -330,11 +335,9 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.tokenizer.decode(req.generated[-window:], skip_special_tokens=False)
-            if any(s in tail for s in params.stop):
-                return "stop"
+        detector = self.stop_strings
+        if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
+            return "stop"
         if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
             return "length"
         return None
@@ -345,7 +348,9 @@ class Scheduler:
         if req.row is not None:
             self.manager.release_row(req.row, req.token_ids, req.num_computed)
             req.row = None
-        self.seeded.drop(req.index)
+        self.sampler.drop(req.index)
+        if self.stop_strings is not None:
+            self.stop_strings.drop(req.index)
         req.finish_reason, req.error = reason, error
         self._bar.update(1)
 
@@ -424,6 +429,10 @@ class RadixBatchRunner:
         if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
             self.engine = get_engine(self.model)
             self._scheduler = Scheduler(self.engine, *self._scheduler_args)
+        with self.engine.lock:  # radix calls of other threads on this engine finish first
+            self._execute_locked(reqs, progress)
+
+    def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
         stats = self.engine.stats

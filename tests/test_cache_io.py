@@ -208,3 +208,15 @@ def test_empty_cache_round_trip(tmp_path):
     fresh = _runner()
     assert fresh.load_cache(tmp_path / "e.safetensors")["tokens"] == 0
     fresh.check_integrity()
+
+
+def test_engines_with_a_host_tier_save_and_load_their_gpu_tree(tmp_path):
+    runner = _runner(max_total_tokens=64, host_cache_tokens=512)
+    outs = runner.run(_prompts(), GREEDY)
+    info = runner.save_cache(tmp_path / "c.safetensors")
+    assert info["tokens"] == runner.engine.manager.tree.size_info.total_size
+    fresh = _runner(max_total_tokens=64, host_cache_tokens=512)
+    assert fresh.load_cache(tmp_path / "c.safetensors")["tokens"] == info["tokens"]
+    fresh.check_integrity()
+    assert [o.token_ids for o in fresh.run(_prompts(), GREEDY)] == [o.token_ids for o in outs]
+    fresh.check_integrity()

@@ -140,9 +140,11 @@ def test_backend_options_keep_the_engine_and_its_cache():
     runner.check_integrity()
 
 
-def test_new_pool_options_release_the_old_pool_before_allocating(monkeypatch):
+@pytest.mark.parametrize("host_cache_tokens", [None, 256])
+def test_new_pool_options_release_the_old_pool_before_allocating(monkeypatch, host_cache_tokens):
     model = fresh_model("llama")
-    runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=512)
+    hf_radix.configure(model, attn_backend="torch", max_total_tokens=512, host_cache_tokens=host_cache_tokens)
+    runner = RadixBatchRunner(model)
     prompt = list(range(5, 40))
     first = runner.run([prompt], SamplingParams(max_new_tokens=3))[0]
     old_pool, old_buffer = weakref.ref(runner.engine.pool), weakref.ref(runner.engine.pool.buffer)

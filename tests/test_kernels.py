@@ -379,6 +379,19 @@ def test_store_kv_torch_exact(dtype: torch.dtype, index_dtype: torch.dtype) -> N
     assert torch.equal(k_cache[loc.long()], k * 2)
 
 
+def test_store_kv_torch_separate_k_and_v_sizes() -> None:
+    """MLA pools: K rows and V rows of different sizes (latent + rotary key, or expanded K wider than V)."""
+    from hf_radix.kernels.store import store_kv
+
+    k_cache, v_cache = torch.zeros((32, 1, 16)), torch.zeros((32, 1, 8))
+    k, v = torch.randn((5, 1, 16)), torch.randn((5, 1, 8))
+    loc = torch.tensor([31, 0, 4, 9, 2])
+    store_kv(k_cache, v_cache, loc, k, v, backend="auto")
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
+    with pytest.raises(ValueError, match="v must be"):
+        store_kv(k_cache, v_cache, loc, k, torch.randn((5, 1, 16)))
+
+
 def test_store_kv_checks() -> None:
     from hf_radix.kernels.store import store_kv
 

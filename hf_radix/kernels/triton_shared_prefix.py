@@ -10,7 +10,8 @@ once per row. A batch is described by two tile tables built on the host (:mod:`h
 * **suffix tiles** -- one per (row, chunk of up to ``suffix_tile_q`` of its new tokens): the row's own
   context after the shared prefix (its private cached tokens and its new tokens), split-KV like today's
   per-row kernels. With one suffix split the suffix program folds the prefix parts (and the attention
-  sink) into its own result and writes the final output; with several, every part goes to the merge kernel.
+  sink) into its own result and writes the final output; with several, every part goes to the split-KV
+  merge kernel shared with the per-row kernels (parts of queries without a shared prefix are emptied).
 
 A tile row of the table is ``(kv_start, kv_pos0, kv_len, q_start, q_len)``: keys ``j < kv_len`` live at
 slots ``slots[kv_start + j]`` and have absolute positions ``kv_pos0 + j``; the queries are the token
@@ -21,9 +22,9 @@ and ``p - k < window``), so a window shorter than the prefix reads only the wind
 inside a CUDA graph; every size the launch needs is a python int known to the caller (no host sync).
 
 Attention sinks (gpt-oss ``s_aux``: one logit per query head added to the softmax denominator only) are
-added exactly once, where the parts are combined. All softmax math is fp32 in base 2, as in
-:mod:`hf_radix.kernels.triton_attention`, whose device helpers (``triton_attention_common``) these
-kernels share.
+added exactly once, where the parts are combined. K and V may have different head sizes (MLA). All
+softmax math is fp32 in base 2, as in :mod:`hf_radix.kernels.triton_attention`, whose device helpers
+(``triton_attention_common``) these kernels share.
 """
 
 from __future__ import annotations
@@ -38,19 +39,22 @@ from ..prefix_groups import TILE_FIELDS, SharedPrefixBuffers
 from . import interpreting
 from .triton_attention_common import (
     _check_common,
+    _check_out,
     _dot_prec,
+    _finish_rows,
     _last_dim_contig,
     _launch,
     _load_paged_kv,
+    _merge_splits,
     _scales,
     _scores,
+    _sinks_log2,
     _softmax_update,
     _window,
 )
 
 __all__ = ["shared_prefix_attention", "tile_config"]
 
-LOG2E = tl.constexpr(1.4426950408889634)  # sinks are natural-log logits; the kernels work in base 2
 _SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 # Optional launch-config overrides (tests / benchmarks) by BLOCK_M: keys BLOCK_N, num_warps, num_stages.
@@ -66,7 +70,7 @@ _CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 def _tile_loop(
     acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, pos0, q_pos,
     kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-    offs_n, offs_d, d_mask,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -75,7 +79,7 @@ def _tile_loop(
         j = start_n + offs_n
         n_mask = j < hi
         k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, j, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
+                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             k_pos = pos0 + j
@@ -88,27 +92,22 @@ def _tile_loop(
 
 
 @triton.jit
-def _fold_part(acc, l_i, m_i, o_part, lse_part):
-    """Adds a normalized partial result (``o_part``, log2-sum-exp ``lse_part``; -inf: empty) to the state."""
-    m_new = tl.maximum(m_i, lse_part)
-    alpha = tl.exp2(m_i - m_new)
-    w = tl.exp2(lse_part - m_new)
-    return acc * alpha[:, None] + o_part * w[:, None], l_i * alpha + w, m_new
-
-
-@triton.jit
 def _shared_prefix_tile_kernel(
     Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, Sinks, Out, Mid_o, Mid_lse,
     qk_scale, cap_scale, window, part0, num_prev,
     stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # Grid (tiles, kv_heads, splits). M rows are (query, head) pairs: query m // GROUP of the tile, query
     # head kvh * GROUP + m % GROUP, so each K/V tile is loaded once for all of them. Tiles of one group are
     # consecutive in the table and in launch order, so a group's further tiles find its prefix in L2.
+    # Parts [0, num_prev) of each query are its shared-prefix results (valid where QShared != 0): FINAL
+    # folds them in and writes the output; otherwise split 0 of a suffix launch empties them for queries
+    # without a shared prefix, so the merge kernel can take every part.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,7 +120,7 @@ def _shared_prefix_tile_kernel(
     pos0 = tl.load(meta + 1)
     kv_len = tl.load(meta + 2)
     q_start = tl.load(meta + 3)
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
 
     offs_m = tl.arange(0, BLOCK_M)
     qi = offs_m // GROUP
@@ -130,8 +129,10 @@ def _shared_prefix_tile_kernel(
     tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
     q_pos = tl.load(QPos + tok, mask=m_mask, other=0)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < HEAD_DIM_V
 
     # Keys any query of the tile sees: [lo, hi); keys every query sees (no mask needed): [lo, safe_hi).
     # Queries at or past the range's end (all of a prefix tile's) see up to its end, and a window's start
@@ -155,73 +156,49 @@ def _shared_prefix_tile_kernel(
 
     q_ptrs = Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: no (-inf) - (-inf)
     kv_idx_ptr = Slots + kv_start
     acc, l_i, m_i = _tile_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, c_lo, full, pos0, q_pos,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     acc, l_i, m_i = _tile_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, c_hi, pos0, q_pos,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
-    st_mask = m_mask[:, None] & d_mask[None, :]
+    st_mask = m_mask[:, None] & dv_mask[None, :]
     mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
-    mid_o = Mid_o + tok[:, None] * stride_mt + heads[:, None] * stride_mh + offs_d[None, :]
+    mid_o = Mid_o + tok[:, None] * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
+    shared = tl.load(QShared + tok, mask=m_mask, other=0)
     if FINAL:
-        # Fold in the query's earlier parts (its shared prefix, if it has one), then the sink.
-        prev = m_mask & (tl.load(QShared + tok, mask=m_mask, other=0) != 0)
+        prev = m_mask & (shared != 0)
         for part in range(0, num_prev):
             lse_p = tl.load(mid_lse + part, mask=prev, other=float("-inf"))
-            o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & d_mask[None, :], other=0.0)
-            acc, l_i, m_i = _fold_part(acc, l_i, m_i, o_p, lse_p)
-        if HAS_SINKS:
-            sink = tl.load(Sinks + heads, mask=m_mask, other=float("-inf")).to(tl.float32) * LOG2E
-            acc, l_i, m_i = _fold_part(acc, l_i, m_i, tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), sink)
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+            o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & dv_mask[None, :], other=0.0)
+            m_new = tl.maximum(m_i, lse_p)
+            alpha = tl.exp2(m_i - m_new)
+            w = tl.exp2(lse_p - m_new)
+            acc = acc * alpha[:, None] + o_p * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
+        out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
+        o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
         has = l_i > 0.0
         out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        part = part0 + split
-        tl.store(mid_o + part * stride_ms, out, mask=st_mask)
-        tl.store(mid_lse + part, lse, mask=m_mask)
-
-
-@triton.jit
-def _shared_prefix_merge_kernel(
-    Mid_o, Mid_lse, QShared, Sinks, Out, num_prefix_parts, num_parts,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
-):
-    # One program per (query token, query head): parts [0, num_prefix_parts) count only for tokens that
-    # have a shared prefix; the sink is one more term of the denominator.
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    first = tl.where(tl.load(QShared + tok) != 0, 0, num_prefix_parts)
-    s_mask = (offs_s >= first) & (offs_s < num_parts)
-    lse = tl.load(Mid_lse + tok * stride_lt + head * stride_lh + offs_s, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
-    if HAS_SINKS:
-        sink = tl.load(Sinks + head).to(tl.float32) * LOG2E
-        m = tl.maximum(m, sink)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(lse - m)
-    denom = tl.sum(w, 0)
-    if HAS_SINKS:
-        denom += tl.exp2(sink - m)
-    o_ptrs = Mid_o + tok * stride_mt + head * stride_mh + offs_s[:, None] * stride_ms + offs_d[None, :]
-    parts = tl.load(o_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
-    tl.store(Out + tok * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+        tl.store(mid_o + (part0 + split) * stride_ms, out, mask=st_mask)
+        tl.store(mid_lse + part0 + split, lse, mask=m_mask)
+        if split == 0:
+            alone = m_mask & (shared == 0)
+            for part in range(0, num_prev):
+                tl.store(mid_o + part * stride_ms, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32),
+                         mask=alone[:, None] & dv_mask[None, :])
+                tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"), mask=alone)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -240,7 +217,8 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     kernel and use its sm_90 config (BLOCK_N 64, 4 warps, 3 stages: 98% of HBM bandwidth in its sweep).
     Wide tiles (a group's queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128
     tiles: BLOCK_N 64 with 8 warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages
-    (Q 32 KB + 3 x 32 KB of K/V in shared memory at head_dim 128 in bf16; 2 stages at head_dim 256).
+    (64 KB of shared memory at head_dim 128 in bf16; at head_dim 256, 2 stages and 128 KB, as the extend
+    kernel's tuned d256 config).
     """
     if block_m in _CFG_OVERRIDE:
         return dict(_CFG_OVERRIDE[block_m])
@@ -252,7 +230,7 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
         return {"BLOCK_N": 32, "num_warps": warps, "num_stages": 2}
     if block_d <= 128:
         return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 3}
-    return {"BLOCK_N": 32 if block_m >= 128 else 64, "num_warps": warps, "num_stages": 2}
+    return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2}
 
 
 def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:
@@ -284,72 +262,60 @@ def shared_prefix_attention(
 ) -> torch.Tensor:
     """Attention of the query tokens ``q`` ``[T, Hq, D]`` over the pool, shared prefixes read once per tile.
 
-    ``slots`` is the flat slot array the tiles index (e.g. a batch's ``kv_indices``, or the flattened
-    request-to-slot table); the K/V of the new tokens must already be in the pool. ``tiles`` is the
-    batch's :class:`~hf_radix.prefix_groups.SharedPrefixBuffers`. ``sinks`` ``[Hq]`` are per-head logits
-    (natural log units) counted once in each softmax denominator. Split counts are python ints chosen by
+    ``k_cache`` ``[slots, Hkv, D]``, ``v_cache`` ``[slots, Hkv, Dv]``; ``slots`` is the flat slot array the
+    tiles index (e.g. a batch's ``kv_indices``, or the flattened request-to-slot table); the K/V of the new
+    tokens must already be in the pool. ``tiles`` is the batch's
+    :class:`~hf_radix.prefix_groups.SharedPrefixBuffers`. ``sinks`` ``[Hq]`` are attention-sink logits
+    (natural log units), counted once in each softmax denominator. Split counts are python ints chosen by
     the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range).
-    Returns ``[T, Hq, D]`` in ``q``'s dtype; tokens outside every suffix tile are left unwritten.
+    Returns ``[T, Hq, Dv]`` in ``q``'s dtype; rows of tokens outside every suffix tile are undefined.
     """
-    hq, hkv, d = _check_common(q, k_cache, v_cache)
+    hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     num_tokens = q.shape[0]
     _check_tiles(tiles, num_tokens)
-    if sinks is not None and (sinks.dim() != 1 or sinks.shape[0] != hq):
-        raise ValueError(f"sinks must be [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
     if num_prefix_splits < 1 or num_suffix_splits < 1:
         raise ValueError("split counts must be >= 1")
     q = _last_dim_contig(q)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    out = _check_out(out, q, dv)
+    sinks, has_sinks = _sinks_log2(sinks, hq, out)
     if num_tokens == 0 or tiles.suffix_tiles.shape[0] == 0:
         return out
 
     group = hq // hkv
-    has_prefix = tiles.prefix_tiles.shape[0] > 0
-    prefix_parts = num_prefix_splits if has_prefix else 0
+    prefix_parts = num_prefix_splits if tiles.prefix_tiles.shape[0] > 0 else 0
     final = num_suffix_splits == 1
     num_parts = prefix_parts + (0 if final else num_suffix_splits)
     if num_parts:
-        mid_o = torch.empty((num_tokens, hq, num_parts, d), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((num_tokens, hq, num_parts, dv), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((num_tokens, hq, num_parts), dtype=torch.float32, device=q.device)
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     else:
         mid_o, mid_lse, mstrides = out, out, (0, 0, 0, 0, 0)  # unused placeholders
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
-    sink_arg = sinks if sinks is not None else out
 
     def launch(table: torch.Tensor, queries: torch.Tensor, tile_q: int, splits: int, part0: int,
-               is_final: bool) -> None:
+               num_prev: int, is_final: bool) -> None:
         block_m = _block_m(tile_q, group)
         args = (
-            q, k_cache, v_cache, slots, table, queries, tiles.query_pos, tiles.query_shared, sink_arg, out,
-            mid_o, mid_lse, qk_scale, cap_scale, window, part0, prefix_parts,
+            q, k_cache, v_cache, slots, table, queries, tiles.query_pos, tiles.query_shared, sinks, out,
+            mid_o, mid_lse, qk_scale, cap_scale, window, part0, num_prev,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), out.stride(1), *mstrides,
         )
         kwargs: dict[str, Any] = dict(
-            GROUP=group, TILE_Q=tile_q, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=block_m,
-            USE_WINDOW=use_window, SOFTCAP=use_cap, HAS_SINKS=sinks is not None, FINAL=is_final,
-            DOT_PREC=_dot_prec(q.dtype),
+            GROUP=group, TILE_Q=tile_q, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM_V=dv,
+            BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m, USE_WINDOW=use_window, SOFTCAP=use_cap,
+            HAS_SINKS=has_sinks, FINAL=is_final, DOT_PREC=_dot_prec(q.dtype),
         )
-        cfg = tile_config(block_m, d, q.dtype, q.device)
+        cfg = tile_config(block_m, max(d, dv), q.dtype, q.device)
         _launch(f"shared_prefix_m{block_m}", _shared_prefix_tile_kernel, (table.shape[0], hkv, splits), cfg,
                 _SAFE_CFG, d, q.dtype, args, kwargs)
 
-    if has_prefix:
-        launch(tiles.prefix_tiles, tiles.prefix_queries, tiles.prefix_tile_q, num_prefix_splits, 0, False)
+    if prefix_parts:
+        launch(tiles.prefix_tiles, tiles.prefix_queries, tiles.prefix_tile_q, num_prefix_splits, 0, 0, False)
     launch(tiles.suffix_tiles, tiles.suffix_queries, tiles.suffix_tile_q, num_suffix_splits, prefix_parts,
-           final)
+           prefix_parts, final)
     if not final:
-        block_d = triton.next_power_of_2(d)
-        _shared_prefix_merge_kernel[(num_tokens, hq)](
-            mid_o, mid_lse, tiles.query_shared, sink_arg, out, prefix_parts, num_parts, *mstrides,
-            out.stride(0), out.stride(1), HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_parts), HAS_SINKS=sinks is not None,
-            num_warps=4 if block_d >= 128 else 2,
-        )
+        _merge_splits(mid_o, mid_lse, out, num_parts, sinks, has_sinks)
     return out
-
