@@ -2,5 +2,5 @@
 
 from . import main
 
-if __name__ == "__main__":  # importing the module (package walks, docs tools) runs nothing
+if __name__ == "__main__":
     main()
