@@ -1,0 +1,226 @@
+"""Data parallel with cache-aware routing: one `RadixBatchRunner` replica per torch.distributed process.
+
+Launch one process per GPU (`torchrun --nproc-per-node N script.py`), load the model on each process's own
+device, and call the same `run` / `loglikelihood` with the same inputs on every rank:
+
+>>> dist.init_process_group("nccl")  # "gloo" on CPU
+>>> runner = DataParallelRunner(model, tokenizer)
+>>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))  # every rank gets all outputs
+
+Every rank computes the same routing (`CacheAwareRouter`) from the same prompts, runs its share on its own
+replica, and the outputs are all-gathered, in input order, on every rank. Results travel as JSON bytes in
+tensor collectives (no pickling). A request that fails, fails alone, as on one replica; an exception on
+one replica (out of memory, say) is raised on every rank after the gather, so no rank is left waiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from transformers.utils import logging
+
+from .request import RequestOutput
+from .routing import CacheAwareRouter
+from .sampling import SamplingParams
+from .scheduler import RadixBatchRunner, RunnerStats
+
+logger = logging.get_logger(__name__)
+
+_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
+
+
+def _collective_device(group) -> torch.device:
+    """Where this group's collectives take tensors: the host for gloo, the current GPU otherwise."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def all_gather_json(obj, group=None) -> list:
+    """Every rank's JSON-serializable `obj`, in rank order, on every rank (tensor collectives only)."""
+    device = _collective_device(group)
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    world = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return [json.loads(bytes(p[:n].cpu().numpy())) for p, n in zip(parts, lengths)]
+
+
+def _fingerprint(token_lists: Sequence[Sequence[int]], extra: Sequence[int]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for ids in token_lists:
+        digest.update(np.asarray(ids, dtype=np.int64).tobytes())
+        digest.update(b"|")
+    digest.update(np.asarray(extra, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+class DataParallelRunner:
+    """`RadixBatchRunner` over the replicas of a torch.distributed group, with cache-aware routing.
+
+    `model` is this rank's replica (on this rank's device); `runner_options` go to its RadixBatchRunner.
+    The routing thresholds are those of `CacheAwareRouter`. `stats` sums the replicas' counters;
+    `replica_stats` holds each replica's runner and engine statistics (refreshed by every call).
+    Collective: construct it, and call `run` / `loglikelihood` with the same arguments, on every rank.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        group=None,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 4096,
+        balance_rel_threshold: float = 1.5,
+        **runner_options,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DataParallelRunner needs torch.distributed initialized (e.g. under torchrun)")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.dp_size = dist.get_world_size(group)
+        self.local = RadixBatchRunner(model, tokenizer, **runner_options)
+        self.model = model
+        self.tokenizer = tokenizer
+        manager = self.local.engine.manager
+        capacities = all_gather_json(manager.num_pages * manager.page_size, group)
+        self.router = CacheAwareRouter(
+            self.dp_size, capacities, cache_threshold, balance_abs_threshold, balance_rel_threshold
+        )
+        self.stats = RunnerStats()
+        self.replica_stats: list[dict] = []
+        self.last_routes: list[int] = []  # the replica of each input of the last call
+
+    @property
+    def engine(self):
+        """This rank's engine (its pool, tree and options)."""
+        return self.local.engine
+
+    # -- public API ----------------------------------------------------------------------------------
+    def run(
+        self,
+        prompts: Iterable,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """`RadixBatchRunner.run` over the replicas: every rank returns all outputs, in input order."""
+        token_lists = self.local._tokenize(prompts)
+        params = sampling_params or SamplingParams()
+        params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        if not token_lists:
+            return []
+        mine = self._route(token_lists, [p.max_new_tokens for p in params])
+
+        def work() -> list:
+            chosen = [token_lists[i] for i in mine]
+            outs = self.local.run(chosen, [params[i] for i in mine], self._bar(progress))
+            return [dataclasses.asdict(o) for o in outs]
+
+        results = self._gather(mine, work)
+        return [RequestOutput(**r) for r in results]
+
+    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
+        """`RadixBatchRunner.loglikelihood` over the replicas; pairs sharing a context go to one replica."""
+        pairs = list(pairs)
+        contexts = self.local._tokenize([c for c, _ in pairs])
+        continuations = self.local._tokenize_continuations(pairs)
+        if not pairs:
+            return []
+        mine = self._route([c + x for c, x in zip(contexts, continuations)], [0] * len(pairs))
+
+        def work() -> list:
+            scores = self.local.loglikelihood(
+                [(contexts[i], continuations[i]) for i in mine], self._bar(progress)
+            )
+            return [list(s) for s in scores]
+
+        return [(float(lp), bool(greedy)) for lp, greedy in self._gather(mine, work)]
+
+    def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
+        """Total log-likelihood of each whole text (perplexity scoring), windows spread over the replicas."""
+        from .evaluation import loglikelihood_rolling
+
+        return loglikelihood_rolling(self, texts, progress)
+
+    def check_integrity(self) -> None:
+        """This rank's replica: raises IntegrityError unless its pages are all accounted for."""
+        self.local.check_integrity()
+
+    def reset_cache(self) -> None:
+        """Drops every cached prefix of this rank's replica and the router's record of them (collective)."""
+        self.local.reset_cache()
+        self.router.reset()
+
+    def _bar(self, progress: bool | None) -> bool | None:
+        """Progress shows on rank 0 only."""
+        return progress if self.rank == 0 else False
+
+    # -- routing and gathering -----------------------------------------------------------------------
+    def _route(self, token_lists: list[list[int]], new_tokens: list[int]) -> list[int]:
+        """Indices of the prompts this rank runs; checks first that every rank was given the same inputs."""
+        prints = all_gather_json(_fingerprint(token_lists, new_tokens), self.group)
+        if len(set(prints)) != 1:
+            raise ValueError(
+                "DataParallelRunner: the ranks were given different inputs; call it with the same prompts "
+                "and parameters on every rank"
+            )
+        replicas = self.router.route(token_lists, new_tokens)
+        self.last_routes = replicas
+        return [i for i, r in enumerate(replicas) if r == self.rank]
+
+    def _gather(self, mine: list[int], work) -> list:
+        """Runs `work` (this rank's results for `mine`), gathers every rank's, returns them in input order."""
+        start = time.perf_counter()
+        payload: dict = {"indices": mine, "results": [], "error": None}
+        try:
+            payload["results"] = work()
+        except Exception as exc:  # re-raised on every rank below, so no rank waits on a collective forever
+            payload["error"] = [type(exc).__name__, str(exc)]
+        payload["stats"] = self._local_stats()
+        gathered = all_gather_json(payload, self.group)
+        self.replica_stats = [p["stats"] for p in gathered]
+        self._sum_stats(time.perf_counter() - start)
+        failed = [(rank, p["error"]) for rank, p in enumerate(gathered) if p["error"]]
+        if failed:
+            rank, (kind, message) = failed[0]
+            error = ValueError if kind == "ValueError" else RuntimeError
+            raise error(f"replica {rank} ({kind}): {message}")
+        total = sum(len(p["indices"]) for p in gathered)
+        ordered: list = [None] * total
+        for p in gathered:
+            for index, result in zip(p["indices"], p["results"]):
+                ordered[index] = result
+        return ordered
+
+    def _local_stats(self) -> dict:
+        stats = self.local.stats
+        counters = {name: getattr(stats, name) for name in _COUNTERS}
+        return {
+            "rank": self.rank,
+            **counters,
+            "hit_rate": stats.hit_rate,
+            "wall_time": stats.wall_time,
+            "engine": self.local.engine.stats_dict(),
+        }
+
+    def _sum_stats(self, wall_time: float) -> None:
+        for name in _COUNTERS:
+            setattr(self.stats, name, sum(s[name] for s in self.replica_stats))
+        self.stats.wall_time += wall_time
