@@ -9,6 +9,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from .forward_batch import ForwardBatch
+from .placement import layer_device
 
 logger = logging.getLogger(__name__)
 
@@ -156,17 +157,18 @@ def radix_attention_forward(
     v = value[0].transpose(0, 1)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
-    out = cache.engine.backend.forward(
-        q,
-        k,
-        v,
-        pool.k_cache(layer),
-        pool.v_cache(layer),
-        cache.batch,
-        scaling,
-        sliding_window,
-        softcap or None,
-    )
+    with layer_device(pool, layer):  # a device map: this layer's kernels on its device
+        out = cache.engine.backend.forward(
+            q,
+            k,
+            v,
+            pool.k_cache(layer),
+            pool.v_cache(layer),
+            cache.batch_on(q.device),
+            scaling,
+            sliding_window,
+            softcap or None,
+        )
     return out.unsqueeze(0), None
 
 

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 from transformers.utils import logging
 
+from .distributed import all_gather_json
 from .request import RequestOutput
 from .routing import CacheAwareRouter
 from .sampling import SamplingParams
@@ -34,30 +33,6 @@ from .scheduler import RadixBatchRunner, RunnerStats
 logger = logging.get_logger(__name__)
 
 _COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
-
-
-def _collective_device(group) -> torch.device:
-    """Where this group's collectives take tensors: the host for gloo, the current GPU otherwise."""
-    backend = str(dist.get_backend(group))
-    if "gloo" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-def all_gather_json(obj, group=None) -> list:
-    """Every rank's JSON-serializable `obj`, in rank order, on every rank (tensor collectives only)."""
-    device = _collective_device(group)
-    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
-    world = dist.get_world_size(group)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    lengths = [int(s.item()) for s in sizes]
-    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data.to(device)
-    parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded, group=group)
-    return [json.loads(bytes(p[:n].cpu().numpy())) for p, n in zip(parts, lengths)]
 
 
 def _fingerprint(token_lists: Sequence[Sequence[int]], extra: Sequence[int]) -> str:

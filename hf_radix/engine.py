@@ -13,7 +13,9 @@ import torch
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
 from .forward_batch import ForwardBatch
-from .kv_pool import KVPool, KVShape, pool_size_tokens
+from .kv_pool import KVPool
+from .placement import hidden_output_device, is_dispatched, make_kv_pool
+from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +77,17 @@ class RadixEngine:
         register()
         self.model = model
         self.options = options or EngineOptions()
-        shape = KVShape.from_config(model.config)
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
-        tokens = pool_size_tokens(
-            shape, dtype, device, page_size, self.options.max_total_tokens, self.options.mem_fraction
-        )
-        num_pages = tokens // page_size
+        # multi-GPU hooks: KV heads of this rank's tensor-parallel shard; per-layer devices of a device map
+        self.tp_group = tp_group(model)
         # One extra page past the managed ones: padded rows of captured decode graphs write there.
-        self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
+        self.pool, num_pages = make_kv_pool(
+            model, local_kv_shape(model), dtype, device, page_size, self.options.max_total_tokens,
+            self.options.mem_fraction, self.options.store_backend, self.tp_group,
+        )
+        self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size)
         self.backend = make_backend(self.options.attn_backend, device)
@@ -104,6 +107,20 @@ class RadixEngine:
     def page_size(self) -> int:
         return self.pool.page_size
 
+    @property
+    def single_device(self) -> bool:
+        """One device holds every layer's K/V, without tensor parallel: CUDA graphs and side streams apply."""
+        return isinstance(self.pool, KVPool) and self.tp_group is None
+
+    @property
+    def cuda_graphs_supported(self) -> bool:
+        """Decode/extend graphs can be captured: one CUDA device, Triton attention."""
+        return self.single_device and self.device.type == "cuda" and self.backend.name == "triton"
+
+    def sync_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sampled tokens, the same on every tensor-parallel rank (the first rank's)."""
+        return sync_tokens(tokens, self.tp_group)
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         from .cache_utils import RadixCache
@@ -114,11 +131,11 @@ class RadixEngine:
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
                 use_cache=True,
-                logits_to_keep=batch.logits_indices,
+                logits_to_keep=cache.batch_on(self.output_device).logits_indices,
                 radix_cache=cache,
                 **{self.cache_kwarg: cache},
             )
-        return out.logits[0]
+        return out.logits[0].to(self.device)  # a device map may end on another device
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """`run_model`, counted in the engine's statistics."""

@@ -519,7 +519,7 @@ def _sequences(result) -> torch.Tensor | None:
 
 def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
     """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
-    if not CUDA_GRAPHS or engine.device.type != "cuda" or engine.backend.name != "triton":
+    if not CUDA_GRAPHS or not engine.cuda_graphs_supported:
         return None
     graphs = _graphs.get(engine)
     if graphs is None:
@@ -528,8 +528,8 @@ def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | N
 
 
 def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
-    """The engine's stream for steps run ahead (None off CUDA)."""
-    if engine.device.type != "cuda":
+    """The engine's stream for steps run ahead (None off CUDA, or over several devices)."""
+    if engine.device.type != "cuda" or not engine.single_device:
         return None
     stream = _ahead_streams.get(engine)
     if stream is None:

@@ -81,7 +81,7 @@ class Scheduler:
         self.seeded = SeededRows(engine.device)
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
-        if cuda_graph and engine.device.type == "cuda" and engine.backend.name == "triton":
+        if cuda_graph and engine.cuda_graphs_supported:
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
             self.extend_graphs = shared_extend_graphs(engine)
         self.pending: deque[Req] = deque()
@@ -309,7 +309,8 @@ class Scheduler:
             offset += n
 
     def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded).tolist()
+        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded)
+        tokens = self.engine.sync_sampled(tokens).tolist()  # tensor parallel: the same on every rank
         for req, token in zip(reqs, tokens):
             req.token_ids.append(token)
             reason = self._finish_reason(req, token)
