@@ -60,8 +60,8 @@ class DataParallelRunner:
         *,
         group=None,
         cache_threshold: float = 0.5,
-        balance_abs_threshold: int = 4096,
-        balance_rel_threshold: float = 1.5,
+        balance_abs_threshold: int = 2048,
+        balance_rel_threshold: float = 1.1,
         **runner_options,
     ):
         if not dist.is_available() or not dist.is_initialized():

@@ -3,9 +3,11 @@
 The router keeps, per replica, an approximate radix tree of the token ids it has sent there: the prefixes
 that replica holds, or will compute in the current call. A prompt goes to the replica whose tree matches
 most of it when that match is a large enough share of the prompt, else to the replica with the least
-work; when the replicas' work drifts apart by more than the balance thresholds, the least-loaded replica
-takes the prompt whatever it matches. Work is counted in tokens: the uncached part of the prompt plus
-the tokens it may generate. Trees are LRU-trimmed to each replica's pool size, as the replica's own
+work. Work is counted in tokens: the uncached part of the prompt plus the tokens it may generate. Since
+a call is a whole batch, balance is judged against the call's fair share (its work with every shared
+prefix computed once, over the replicas): a replica that would pass `balance_rel_threshold` times its
+share plus `balance_abs_threshold` tokens gets no more prompts, so a prefix too hot for one replica
+spills to the least-loaded one. Trees are LRU-trimmed to each replica's pool size, as the replica's own
 cache would be.
 
 Routing is a pure function of the router's state and its inputs (no clocks, no randomness), so every
@@ -26,9 +28,9 @@ class CacheAwareRouter:
     """Assigns each prompt to one of `num_replicas` replicas, by shared prefix and balanced by tokens.
 
     `capacity_tokens[r]` bounds replica r's approximate tree (its KV pool size; None: unbounded).
-    `cache_threshold` is the share of a prompt a replica must already hold to attract it;
-    the balance override applies when `max(load) - min(load) > balance_abs_threshold` tokens and
-    `max(load) > balance_rel_threshold * min(load)`.
+    `cache_threshold` is the share of a prompt a replica must already hold to attract it; a replica stops
+    attracting prompts once its work in the call would pass `balance_rel_threshold * fair_share +
+    balance_abs_threshold` tokens.
     """
 
     def __init__(
@@ -36,8 +38,8 @@ class CacheAwareRouter:
         num_replicas: int,
         capacity_tokens: Sequence[int | None] | None = None,
         cache_threshold: float = 0.5,
-        balance_abs_threshold: int = 4096,
-        balance_rel_threshold: float = 1.5,
+        balance_abs_threshold: int = 2048,
+        balance_rel_threshold: float = 1.1,
     ):
         if num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {num_replicas}")
@@ -68,26 +70,22 @@ class CacheAwareRouter:
         extra = [0] * len(token_lists) if new_tokens is None else list(new_tokens)
         if len(extra) != len(token_lists):
             raise ValueError(f"got {len(extra)} new-token counts for {len(token_lists)} prompts")
+        prompts = [np.asarray(ids, dtype=np.int64) for ids in token_lists]
+        limit = self.balance_rel_threshold * _work(prompts, extra) / self.num_replicas
+        limit += self.balance_abs_threshold
         load = [0] * self.num_replicas
         out = []
-        for ids, new in zip(token_lists, extra):
-            ids = np.asarray(ids, dtype=np.int64)
+        for ids, new in zip(prompts, extra):
             matched = [tree.match_prefix(ids).cached_len for tree in self.trees]
-            replica = self._choose(ids, matched, load)
-            load[replica] += len(ids) - matched[replica] + new
+            cost = [len(ids) - m + new for m in matched]
+            least_loaded = min(range(self.num_replicas), key=lambda r: (load[r], self._size(r), r))
+            best = min(range(self.num_replicas), key=lambda r: (-matched[r], load[r], r))
+            attracts = matched[best] > 0 and matched[best] >= self.cache_threshold * len(ids)
+            replica = best if attracts and load[best] + cost[best] <= limit else least_loaded
+            load[replica] += cost[replica]
             self._insert(replica, ids)
             out.append(replica)
         return out
-
-    def _choose(self, ids: np.ndarray, matched: list[int], load: list[int]) -> int:
-        least_loaded = min(range(self.num_replicas), key=lambda r: (load[r], self._size(r), r))
-        high, low = max(load), min(load)
-        if high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low:
-            return least_loaded
-        best = min(range(self.num_replicas), key=lambda r: (-matched[r], load[r], r))
-        if len(ids) and matched[best] / len(ids) >= self.cache_threshold and matched[best] > 0:
-            return best
-        return least_loaded
 
     def _size(self, replica: int) -> int:
         return self.trees[replica].size_info.total_size
@@ -101,3 +99,14 @@ class CacheAwareRouter:
         excess = tree.size_info.total_size - capacity if capacity is not None else 0
         if excess > 0:
             tree.evict(excess)
+
+
+def _work(prompts: list[np.ndarray], new_tokens: list[int]) -> int:
+    """Tokens one replica would compute for the whole call: each shared prefix once, plus generation."""
+    seen = RadixPrefixCache(page_size=1)
+    total = sum(new_tokens)
+    for ids in prompts:
+        if len(ids):
+            cached, _ = seen.insert_prefix(ids, np.zeros(len(ids), dtype=np.int64))
+            total += len(ids) - cached
+    return total
