@@ -5,6 +5,7 @@ Importing the package registers the "radix" attention and `cache_implementation=
 
 from .attention import register as _register_attention
 from .cache_utils import RadixCache, register_generate_support
+from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
 from .radix_tree import IntegrityError
 from .request import RequestOutput
@@ -12,6 +13,7 @@ from .sampling import SamplingParams
 from .scheduler import RadixBatchRunner, RunnerStats
 
 __all__ = [
+    "DataParallelRunner",
     "IntegrityError",
     "RadixBatchRunner",
     "RadixCache",

@@ -54,6 +54,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         outs = runner.run(prompts, _params())
         routes = runner.last_routes
         scores = runner.loglikelihood(pairs)
+        rolling = runner.loglikelihood_rolling(prompts[:2])
         runner.check_integrity()
         errors = []
         try:  # ranks given different inputs: refused on every rank, before any forward
@@ -68,6 +69,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         result = {
             "outs": _summary(outs),
             "scores": scores,
+            "rolling": rolling,
             "routes": routes,
             "replicas": runner.replica_stats,
             "stats": [runner.stats.prompt_tokens, runner.stats.cached_tokens, runner.stats.requests],
@@ -85,6 +87,7 @@ def test_two_replicas_match_one_process(tmp_path):
     outs = single.run(prompts, _params())
     run_stats = (single.stats.prompt_tokens, single.stats.cached_tokens)
     scores = single.loglikelihood(pairs)
+    rolling = single.loglikelihood_rolling(prompts[:2])
     single.check_integrity()
     assert outs[BAD].error is not None and all(o.error is None for i, o in enumerate(outs) if i != BAD)
 
@@ -95,6 +98,7 @@ def test_two_replicas_match_one_process(tmp_path):
         assert result["outs"] == _summary(outs)  # same tokens; the bad request fails alone
         assert [lp for lp, _ in result["scores"]] == pytest.approx([lp for lp, _ in scores], abs=1e-5)
         assert [greedy for _, greedy in result["scores"]] == [greedy for _, greedy in scores]
+        assert result["rolling"] == pytest.approx(rolling, abs=1e-4)
         assert result["errors"][0].startswith("DataParallelRunner: the ranks were given different inputs")
         assert "context and continuation must both be non-empty" in result["errors"][1]
     assert ranks[0]["replicas"] == ranks[1]["replicas"] and ranks[0]["stats"] == ranks[1]["stats"]
