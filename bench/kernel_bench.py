@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
+from hf_radix.kernels import triton_decode, triton_extend  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, measured device-to-device copy rate on the H200 here
 
@@ -95,7 +96,7 @@ def _time_decode(
     cfg: dict[str, int] | None,
 ) -> float:
     d = q.shape[-1]
-    ta._DECODE_CFG_OVERRIDE = cfg
+    triton_decode._DECODE_CFG_OVERRIDE = cfg
     try:
 
         def fn() -> torch.Tensor:
@@ -106,7 +107,7 @@ def _time_decode(
         fn()
         return bench(fn)
     finally:
-        ta._DECODE_CFG_OVERRIDE = None
+        triton_decode._DECODE_CFG_OVERRIDE = None
 
 
 def bench_decode(quick: bool) -> list[dict[str, Any]]:
@@ -279,14 +280,14 @@ def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: in
     ms_sdpa = bench(lambda: sdpa(k_g, v_g))
     sweep_res = []
     for cfg in EXTEND_SWEEP.get(d, ()) if sweep else ():
-        ta._EXTEND_CFG_OVERRIDE = cfg
+        triton_extend._EXTEND_CFG_OVERRIDE = cfg
         try:
             triton_fn()
             sweep_res.append({"cfg": cfg, "ms": bench(triton_fn)})
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory; report and go on
             sweep_res.append({"cfg": cfg, "error": str(exc)[:200]})
         finally:
-            ta._EXTEND_CFG_OVERRIDE = None
+            triton_extend._EXTEND_CFG_OVERRIDE = None
         print(f"  extend sweep {sweep_res[-1]}", flush=True)
     for pack in (False, True) if split_sweep else ():
         for splits in split_sweep:

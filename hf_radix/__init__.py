@@ -3,6 +3,8 @@
 Importing the package registers the "radix" attention and `cache_implementation="radix"`.
 """
 
+from transformers.utils import logging as _logging
+
 from .attention import register as _register_attention
 from .cache_utils import RadixCache, register_generate_support
 from .data_parallel import DataParallelRunner
@@ -33,5 +35,8 @@ def cache_stats(model) -> dict:
     return get_engine(model).stats_dict()
 
 
+# transformers' get_logger leaves other packages outside its root logger: hanging "hf_radix" under it
+# makes transformers.logging.set_verbosity_* (and TRANSFORMERS_VERBOSITY) control hf_radix's messages.
+_logging.get_logger(__name__).parent = _logging.get_logger()
 _register_attention()
 register_generate_support()

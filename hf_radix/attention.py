@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.utils import logging
 
 from .forward_batch import ForwardBatch
 from .placement import layer_device
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 ATTENTION_NAME = "radix"
 BACKENDS = ("auto", "torch", "triton", "flashinfer")

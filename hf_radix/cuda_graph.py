@@ -17,13 +17,13 @@ the CPU too.
 from __future__ import annotations
 
 import abc
-import logging
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .forward_batch import ForwardBatch, HostBatch, pack_batch, upload_batch
 from .fused_ops import fused_norm_and_rope
@@ -31,7 +31,7 @@ from .fused_ops import fused_norm_and_rope
 if TYPE_CHECKING:
     from .engine import RadixEngine
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 MAX_KV_PER_ROW = 16384

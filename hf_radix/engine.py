@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
+from transformers.utils import logging
 
 from .attention import ATTENTION_NAME, make_backend, register
 from .cache_manager import CacheManager
@@ -17,7 +17,7 @@ from .kv_pool import KVPool
 from .placement import hidden_output_device, is_dispatched, make_kv_pool
 from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
 

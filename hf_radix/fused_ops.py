@@ -13,17 +13,17 @@ dtypes the kernels do not take.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Iterator
 from types import CodeType, ModuleType
 
 import torch
 from transformers.models.llama import modeling_llama
+from transformers.utils import logging
 
 from .kernels import interpreting
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 ENABLED = True  # swap in the fused kernels while capturing (benchmarks turn it off to compare)
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from .kernels.store import store_kv
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 CPU_DEFAULT_TOKENS = 32768
 

@@ -14,7 +14,6 @@ From the shell: `python -m hf_radix.lm_eval_backend --model hf-radix --model_arg
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -22,12 +21,13 @@ import transformers
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, resolve_max_length
+from transformers.utils import logging
 
 from .evaluation import loglikelihood_rolling
 from .sampling import SamplingParams
 from .scheduler import RadixBatchRunner
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
 _IGNORED_KEYS = ("do_sample", "until", "max_gen_toks")

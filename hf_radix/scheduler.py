@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from tqdm.auto import tqdm
+from transformers.utils import logging
 
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
@@ -19,7 +19,7 @@ from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
 from .sampling import SamplingParams, SeededRows, sample
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
 LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS

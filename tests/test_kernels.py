@@ -219,7 +219,7 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 def _run_case(name: str) -> dict[str, Any]:
-    import hf_radix.kernels.triton_attention as ta
+    import hf_radix.kernels.triton_extend as ta
 
     kind, bkw, kkw = INTERP_CASES[name]
     kkw = dict(kkw)
@@ -280,7 +280,7 @@ def test_extend_rejects_bad_shapes() -> None:
 def test_launch_falls_back_when_config_does_not_fit() -> None:
     from triton.runtime.errors import OutOfResources
 
-    import hf_radix.kernels.triton_attention as ta
+    import hf_radix.kernels.triton_attention_common as ta
 
     calls: list[dict[str, Any]] = []
 

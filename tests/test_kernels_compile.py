@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from hf_radix.kernels import triton_attention as kernels  # noqa: E402
+from hf_radix.kernels import triton_attention_common, triton_decode, triton_extend  # noqa: E402
 
 SM90 = backends.GPUTarget("cuda", 90, 32)
 
@@ -40,7 +40,7 @@ def test_extend_kernel_compiles_for_sm90(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window,
         SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack, DOT_PREC="tf32",
     )
-    kernel = _compile(kernels._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
+    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
@@ -53,10 +53,10 @@ def test_decode_kernels_compile_for_sm90(direct: bool):
         GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, USE_WINDOW=False,
         SOFTCAP=False, DIRECT=direct, DOT_PREC="tf32",
     )
-    stage1 = _compile(kernels._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+    stage1 = _compile(triton_decode._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
     assert stage1.asm["cubin"]
     reduce = _compile(
-        kernels._merge_splits_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
+        triton_attention_common._merge_splits_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4, num_stages=1,
     )
     assert reduce.asm["cubin"]

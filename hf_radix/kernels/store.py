@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import logging
 import math
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 __all__ = [
     "STORE_BUILD_INFO",
@@ -37,7 +37,7 @@ __all__ = [
     "store_kv",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 _SRC = Path(__file__).with_name("store.cu")
 _NVCC_FLAGS = ["-O3", "-shared", "-Xcompiler", "-fPIC", "-std=c++17"]

@@ -1,0 +1,202 @@
+"""Pieces shared by the Triton attention kernels (see :mod:`hf_radix.kernels.triton_attention`).
+
+Device helpers (scores, K/V tile loads through the slot array, the online-softmax step), the kernel that
+merges split-KV partial results, and host helpers (launch with a fallback config, scale/window arguments,
+argument checks, the split heuristic).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from transformers.utils import logging
+from triton.runtime.errors import OutOfResources
+
+logger = logging.get_logger(__name__)
+
+_LOG2E = 1.4426950408889634
+
+# --------------------------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scores(q, kt, qk_scale, cap_scale, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Scores in log2 units: ``(q @ kt) * scale * log2(e)``, optionally soft-capped."""
+    s = tl.dot(q, kt, input_precision=DOT_PREC)
+    if SOFTCAP:
+        # qk_scale = scaling / softcap, cap_scale = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
+        x = s * qk_scale
+        s = (1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)) * cap_scale
+    else:
+        s = s * qk_scale
+    return s
+
+
+@triton.jit
+def _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Loads a K and a V tile; rows outside ``n_mask`` (if MASKED) and columns outside ``d_mask`` read 0."""
+    if MASKED:
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch, stride_vct,
+                   stride_vch, offs_d, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Loads the K and V tiles of context positions ``pos`` through the slot array (the page table)."""
+    if MASKED:
+        slots = tl.load(kv_idx_ptr + pos, mask=n_mask, other=0).to(tl.int64)
+    else:
+        slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
+    k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
+    v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
+    return _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+
+
+@triton.jit
+def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+    """One online-softmax step; ``s`` holds log2-domain scores (-inf where masked)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _merge_splits_kernel(
+    Mid_o, Mid_lse, Out, num_splits,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_splits
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(Mid_lse + row.to(tl.int64) * stride_lb + head * stride_lh + offs_s, mask=s_mask,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms
+              + offs_d[None, :])
+    parts = tl.load(o_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(Out + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=d_mask)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Host wrappers
+# --------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return 132  # H200 default for CPU / interpreter runs
+
+
+def _scales(scaling: float, softcap: float | None) -> tuple[float, float, bool]:
+    if softcap is not None and softcap > 0.0:
+        return float(scaling) / float(softcap), float(softcap) * _LOG2E, True
+    return float(scaling) * _LOG2E, 1.0, False
+
+
+def _window(sliding_window: int | None) -> tuple[int, bool]:
+    if sliding_window is None or sliding_window <= 0:
+        return 0, False
+    return int(sliding_window), True
+
+
+def _dot_prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _last_dim_contig(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+_too_big: set[tuple[str, int, str]] = set()  # (kernel, head_dim, dtype) whose tuned config did not fit
+
+
+def _launch(kind: str, kernel: Any, grid: Any, cfg: dict[str, int], safe: dict[str, int],
+            head_dim: int, dtype: torch.dtype, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Launch with ``cfg``; on OutOfResources (shared memory / threads) retry once with ``safe``."""
+    key = (kind, head_dim, str(dtype))
+    if key not in _too_big:
+        try:
+            kernel[grid](*args, **kwargs, **cfg)
+            return
+        except OutOfResources as exc:
+            logger.warning("%s kernel config %s does not fit this device (%s); using %s", kind, cfg, exc,
+                           safe)
+            _too_big.add(key)
+    kernel[grid](*args, **kwargs, **safe)
+
+
+def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
+        raise ValueError("q, k_cache, v_cache must be 3-D ([tokens|slots, heads, head_dim])")
+    _, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if k_cache.shape[1:] != v_cache.shape[1:] or k_cache.shape[2] != d:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    if hq % hkv != 0:
+        raise ValueError(f"num query heads ({hq}) must be a multiple of num kv heads ({hkv})")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache / v_cache must be contiguous in head_dim")
+    return hq, hkv, d
+
+
+def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int = 132,
+                       min_split_tokens: int = 256, max_splits: int = 64, waves: int = 2) -> int:
+    """Number of KV splits so that ``batch * kv_heads * splits`` programs fill about ``waves`` waves of
+    SMs, keeping each split at least ``min_split_tokens`` long."""
+    progs = max(1, batch * num_kv_heads)
+    want = triton.cdiv(waves * num_sms, progs)
+    by_len = max(1, triton.cdiv(max(max_kv_len, 1), min_split_tokens))
+    return int(max(1, min(want, by_len, max_splits)))
+
+
+def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    """Combines per-split partial outputs ``[N, Hq, S, D]`` (and their log2-sum-exps) into ``out``."""
+    n, hq, _, d = mid_o.shape
+    block_d = triton.next_power_of_2(d)
+    _merge_splits_kernel[(n, hq)](
+        mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4 if block_d >= 128 else 2,
+    )
+

@@ -1,0 +1,207 @@
+"""Triton decode attention over a paged KV pool: one query token per row, split-KV (flash-decoding).
+
+Stage 1 computes a normalized partial output and a log2-sum-exp per (row, query-head, split); all query
+heads that share a KV head are handled by the same program, so each K/V tile is read once per KV head. The
+merge kernel (shared with extend) combines the splits.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .triton_attention_common import (
+    _check_common,
+    _dot_prec,
+    _last_dim_contig,
+    _launch,
+    _load_paged_kv,
+    _merge_splits,
+    _scales,
+    _scores,
+    _sm_count,
+    _softmax_update,
+    _window,
+    pick_num_kv_splits,
+)
+
+__all__ = ["decode_attention"]
+
+# Optional launch-config override (tests / benchmarks): keys BLOCK_N, num_warps, num_stages.
+_DECODE_CFG_OVERRIDE: dict[str, int] | None = None
+_DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+# --------------------------------------------------------------------------------------------------------
+# Decode (split-KV, grouped query heads)
+# --------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_loop(
+    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
+    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+    offs_n, offs_d, d_mask,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Attend over context positions [lo, hi); every position in range is visible."""
+    for start_n in range(lo, hi, BLOCK_N):
+        pos = start_n + offs_n
+        n_mask = pos < hi
+        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
+                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
+        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
+        if MASKED:
+            s = tl.where(n_mask[None, :], s, float("-inf"))
+        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _decode_stage1_kernel(
+    Q, K_cache, V_cache, kv_indices, kv_indptr, Mid_o, Mid_lse, Out,
+    qk_scale, cap_scale, window, num_splits,
+    stride_qb, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch,
+    stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
+    GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    row = tl.program_id(0)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    kvh = hb // HEAD_BLOCKS
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    kv_start = tl.load(kv_indptr + row)
+    seq_len = tl.load(kv_indptr + row + 1) - kv_start
+    kv_lo = seq_len * 0
+    if USE_WINDOW:
+        kv_lo = tl.maximum(seq_len - window, 0)
+    # Split the visible range into num_splits chunks, each a multiple of BLOCK_N long.
+    span = seq_len - kv_lo
+    split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+
+    offs_h = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+
+    q_ptrs = Q + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
+    kv_idx_ptr = kv_indices + kv_start
+    acc, l_i, m_i = _decode_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full_hi,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+        offs_n, offs_d, d_mask, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    acc, l_i, m_i = _decode_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full_hi, hi,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+        offs_n, offs_d, d_mask, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    st_mask = h_mask[:, None] & d_mask[None, :]
+    if DIRECT:
+        o_ptrs = Out + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
+    else:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        m_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
+                  + offs_d[None, :])
+        tl.store(m_ptrs, out, mask=st_mask)
+        tl.store(Mid_lse + row.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    if _DECODE_CFG_OVERRIDE is not None:
+        return dict(_DECODE_CFG_OVERRIDE)
+    if device.type != "cuda" or interpreting():
+        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    block_d = triton.next_power_of_2(head_dim)
+    if dtype == torch.float32:
+        return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if block_d <= 128:
+        return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    num_kv_splits: int | None = None,
+    max_kv_len: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Single-token decode attention over each row's full context (which includes the new token).
+
+    q ``[B, Hq, D]``; kv_indices/kv_indptr: CSR slot lists of each row's context. Returns ``[B, Hq, D]``.
+    ``num_kv_splits`` defaults to :func:`pick_num_kv_splits`; pass it (or ``max_kv_len``) to avoid a
+    device->host sync.
+    """
+    hq, hkv, d = _check_common(q, k_cache, v_cache)
+    batch = q.shape[0]
+    if kv_indptr.shape[0] != batch + 1:
+        raise ValueError("kv_indptr must have B+1 entries")
+    q = _last_dim_contig(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    if batch == 0:
+        return out
+
+    group = hq // hkv
+    block_h = max(16, triton.next_power_of_2(min(group, 64)))
+    head_blocks = triton.cdiv(group, block_h)
+    window, use_window = _window(sliding_window)
+    if num_kv_splits is None:
+        if max_kv_len is None:
+            max_kv_len = int((kv_indptr[1:] - kv_indptr[:-1]).max().item())
+        eff_len = min(max_kv_len, window) if use_window else max_kv_len
+        num_kv_splits = pick_num_kv_splits(batch, hkv * head_blocks, eff_len, _sm_count(q.device))
+    num_kv_splits = max(1, int(num_kv_splits))
+
+    cfg = _decode_config(d, q.dtype, q.device)
+    qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
+    block_d = triton.next_power_of_2(d)
+    direct = num_kv_splits == 1
+    if direct:
+        mid_o = out  # unused placeholders
+        mid_lse = out
+        mstrides = (0, 0, 0, 0, 0)
+    else:
+        mid_o = torch.empty((batch, hq, num_kv_splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, hq, num_kv_splits), dtype=torch.float32, device=q.device)
+        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    grid = (batch, hkv * head_blocks, num_kv_splits)
+    args = (
+        q, k_cache, v_cache, kv_indices, kv_indptr, mid_o, mid_lse, out,
+        qk_scale, cap_scale, window, num_kv_splits,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        *mstrides, out.stride(0), out.stride(1),
+    )
+    kwargs = dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h,
+                  USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
+    _launch("decode", _decode_stage1_kernel, grid, cfg, _DECODE_SAFE_CFG, d, q.dtype, args, kwargs)
+    if not direct:
+        _merge_splits(mid_o, mid_lse, out, num_kv_splits)
+    return out
+
