@@ -73,7 +73,7 @@ class DataParallelRunner:
         self.model = model
         self.tokenizer = tokenizer
         manager = self.local.engine.manager
-        capacities = all_gather_json(manager.num_pages * manager.page_size, group)
+        capacities = all_gather_json(manager.num_pages * manager.page_size, group, self.local.engine.device)
         self.router = CacheAwareRouter(
             self.dp_size, capacities, cache_threshold, balance_abs_threshold, balance_rel_threshold
         )
@@ -150,7 +150,7 @@ class DataParallelRunner:
     # -- routing and gathering -----------------------------------------------------------------------
     def _route(self, token_lists: list[list[int]], new_tokens: list[int]) -> list[int]:
         """Indices of the prompts this rank runs; checks first that every rank was given the same inputs."""
-        prints = all_gather_json(_fingerprint(token_lists, new_tokens), self.group)
+        prints = all_gather_json(_fingerprint(token_lists, new_tokens), self.group, self.engine.device)
         if len(set(prints)) != 1:
             raise ValueError(
                 "DataParallelRunner: the ranks were given different inputs; call it with the same prompts "
@@ -158,6 +158,8 @@ class DataParallelRunner:
             )
         replicas = self.router.route(token_lists, new_tokens)
         self.last_routes = replicas
+        logger.info("routed %d prompts: %s per replica", len(replicas),
+                    [replicas.count(r) for r in range(self.dp_size)])
         return [i for i, r in enumerate(replicas) if r == self.rank]
 
     def _gather(self, mine: list[int], work) -> list:
@@ -169,7 +171,7 @@ class DataParallelRunner:
         except Exception as exc:  # re-raised on every rank below, so no rank waits on a collective forever
             payload["error"] = [type(exc).__name__, str(exc)]
         payload["stats"] = self._local_stats()
-        gathered = all_gather_json(payload, self.group)
+        gathered = all_gather_json(payload, self.group, self.engine.device)
         self.replica_stats = [p["stats"] for p in gathered]
         self._sum_stats(time.perf_counter() - start)
         failed = [(rank, p["error"]) for rank, p in enumerate(gathered) if p["error"]]

@@ -8,17 +8,19 @@ import torch
 import torch.distributed as dist
 
 
-def collective_device(group=None) -> torch.device:
-    """Where the group's collectives take tensors: the host for gloo, the current GPU otherwise."""
+def collective_device(group=None, device: torch.device | None = None) -> torch.device:
+    """Where the group's collectives take tensors: the host for gloo, else `device` or the current GPU."""
     backend = str(dist.get_backend(group))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
+    if device is not None and device.type == "cuda":
+        return device
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def all_gather_json(obj, group=None) -> list:
-    """Every rank's JSON-serializable `obj`, in rank order, on every rank of `group`."""
-    device = collective_device(group)
+def all_gather_json(obj, group=None, device: torch.device | None = None) -> list:
+    """Every rank's JSON-serializable `obj`, in rank order, on every rank (NCCL groups: through `device`)."""
+    device = collective_device(group, device)
     data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
     world = dist.get_world_size(group)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)

@@ -51,7 +51,11 @@ def local_kv_shape(model: torch.nn.Module) -> KVShape:
             "hf_radix: cannot tell how many KV heads this tensor-parallel rank holds "
             f"(attention k_proj shards give {sorted(heads) or 'none'})"
         )
-    return dataclasses.replace(shape, num_kv_heads=heads.pop())
+    local = dataclasses.replace(shape, num_kv_heads=heads.pop())
+    logger.info(
+        "tensor parallel: this rank's pool holds %d of %d KV heads", local.num_kv_heads, shape.num_kv_heads
+    )
+    return local
 
 
 def sync_tokens(tokens: torch.Tensor, group) -> torch.Tensor:

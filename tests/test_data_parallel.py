@@ -43,14 +43,17 @@ def _summary(outs) -> list:
     return [[o.token_ids, o.finish_reason, o.error is not None] for o in outs]
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         from hf_radix.data_parallel import DataParallelRunner
 
         prompts, _, pairs = _workload()
-        runner = DataParallelRunner(tiny_model("llama"), **OPTIONS)
+        runner = DataParallelRunner(tiny_model("llama").to(device), **OPTIONS)
         outs = runner.run(prompts, _params())
         routes = runner.last_routes
         scores = runner.loglikelihood(pairs)
@@ -82,8 +85,14 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 
 def test_two_replicas_match_one_process(tmp_path):
+    check_two_replicas(tmp_path, "gloo")
+
+
+def check_two_replicas(tmp_path, backend: str) -> None:
+    """Two replicas (gloo on CPU, NCCL on 2 GPUs) against one process on the same device kind."""
     prompts, group_of, pairs = _workload()
-    single = RadixBatchRunner(tiny_model("llama"), **OPTIONS)
+    device = "cuda" if backend == "nccl" else "cpu"
+    single = RadixBatchRunner(tiny_model("llama").to(device), **OPTIONS)
     outs = single.run(prompts, _params())
     run_stats = (single.stats.prompt_tokens, single.stats.cached_tokens)
     scores = single.loglikelihood(pairs)
@@ -91,7 +100,7 @@ def test_two_replicas_match_one_process(tmp_path):
     single.check_integrity()
     assert outs[BAD].error is not None and all(o.error is None for i, o in enumerate(outs) if i != BAD)
 
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), backend), nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
     for result in ranks:

@@ -26,10 +26,12 @@ def _workload():
     return prompts, pair
 
 
-def _worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str, backend: str) -> None:
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         auto = transformers.AutoModelForCausalLM
         model = auto.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
@@ -55,11 +57,15 @@ def _worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str)
 
 
 def test_tensor_parallel_matches_one_process(tmp_path):
+    check_tensor_parallel(tmp_path, "gloo")
+
+
+def check_tensor_parallel(tmp_path, backend: str) -> None:
+    """TP=2 (gloo on CPU, NCCL on 2 GPUs) against plain HF on the unsharded model."""
     reference = tiny_model("llama")
     reference.save_pretrained(tmp_path / "model")
-    mp.spawn(
-        _worker, args=(2, str(tmp_path / "init"), str(tmp_path / "model"), str(tmp_path)), nprocs=2, join=True
-    )
+    args = (2, str(tmp_path / "init"), str(tmp_path / "model"), str(tmp_path), backend)
+    mp.spawn(_worker, args=args, nprocs=2, join=True)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     prompts, (context, continuation) = _workload()
     logp = hf_logits(reference, context + continuation).log_softmax(-1)
