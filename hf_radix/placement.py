@@ -159,6 +159,11 @@ class PlacedKVPool:
         """The device of layer 0 (where the batch metadata is built)."""
         return self.layer_devices[0]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held on all devices together."""
+        return sum(chunk.buffer.numel() * chunk.buffer.element_size() for chunk in self.chunks.values())
+
     def k_cache(self, layer: int) -> torch.Tensor:
         chunk, index = self._where[layer]
         return chunk.k_cache(index)
@@ -213,9 +218,9 @@ def make_kv_pool(
 ) -> tuple[KVPool | PlacedKVPool, int]:
     """The engine's pool (one page past `num_pages`, for padded graph rows) and its number of managed pages.
 
-    A model dispatched by accelerate gets a `PlacedKVPool` (its layers' devices); others one `KVPool` on
-    `default_device`. With a (tensor-parallel) `group`, every rank takes the smallest rank's capacity, so
-    all make the same scheduling decisions.
+    A model whose layers accelerate dispatched to other devices than `default_device` gets a
+    `PlacedKVPool`; others one `KVPool` on `default_device`. With a (tensor-parallel) `group`, every rank
+    takes the smallest rank's capacity, so all make the same scheduling decisions.
     """
     dispatched = is_dispatched(model)
     if dispatched:
@@ -226,8 +231,7 @@ def make_kv_pool(
     if group is not None:
         tokens = min_over_group(tokens, group)
     num_pages = tokens // page_size
-    if not dispatched:
+    if set(devices) == {default_device}:  # one device (a device map onto one GPU included): one buffer
         return KVPool(shape, num_pages + 1, page_size, dtype, default_device, store_backend), num_pages
-    if len(set(devices)) > 1:
-        logger.info("hf_radix: KV pool split over %s", sorted({str(d) for d in devices}))
+    logger.info("hf_radix: KV pool split over %s", sorted({str(d) for d in devices}))
     return PlacedKVPool(shape, num_pages + 1, page_size, dtype, devices, store_backend), num_pages

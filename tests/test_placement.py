@@ -58,6 +58,7 @@ def test_placed_pool_keeps_each_layer_on_its_device():
     assert [pool.k_cache(i).device.type for i in range(3)] == ["cpu", "meta", "cpu"]
     assert pool.k_cache(0).shape == (8, 2, 4) and pool.num_slots == 8 and pool.device == CPU
     assert len(pool.chunks) == 2 and pool.chunks[CPU].shape.num_layers == 2
+    assert pool.nbytes == 2 * 3 * 8 * 2 * 4 * 4
     k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
     loc = torch.tensor([5, 1, 6])
     pool.store_kv(k, v, loc, 2)
@@ -103,7 +104,13 @@ def test_dispatched_model_runs_unchanged(page_size: int, chunk: int):
         model, page_size=page_size, chunked_prefill_size=chunk, attn_backend="torch", max_total_tokens=1024
     )
     runner.reset_cache()
-    assert isinstance(runner.engine.pool, PlacedKVPool)
+    engine = runner.engine
+    assert isinstance(engine.pool, KVPool) and engine.single_device  # a map onto one device: one buffer
+    # Two chunks on the host: "cpu:0" and "cpu" are distinct devices to the placement, the same memory.
+    engine.pool = PlacedKVPool(
+        engine.pool.shape, engine.pool.num_pages, page_size, torch.float32, [CPU, torch.device("cpu", 0)]
+    )
+    assert len(engine.pool.chunks) == 2 and not engine.single_device
     gen = torch.Generator().manual_seed(1)
     shared = random_ids(gen, 21)
     prompts = [shared + random_ids(gen, n) for n in (2, 5, 9)] + [shared[:9]]
