@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import numpy as np
+import torch
 import torch.distributed as dist
 from transformers.utils import logging
 
@@ -70,10 +71,16 @@ class DataParallelRunner:
         self.rank = dist.get_rank(group)
         self.dp_size = dist.get_world_size(group)
         self.local = RadixBatchRunner(model, tokenizer, **runner_options)
+        device = self.local.engine.device
+        if device.type == "cuda" and device.index != torch.cuda.current_device():
+            raise RuntimeError(
+                f"this rank's model is on {device} but the current CUDA device is "
+                f"{torch.cuda.current_device()}: call torch.cuda.set_device(local_rank) first"
+            )
         self.model = model
         self.tokenizer = tokenizer
         manager = self.local.engine.manager
-        capacities = all_gather_json(manager.num_pages * manager.page_size, group, self.local.engine.device)
+        capacities = all_gather_json(manager.num_pages * manager.page_size, group, device)
         self.router = CacheAwareRouter(
             self.dp_size, capacities, cache_threshold, balance_abs_threshold, balance_rel_threshold
         )
@@ -106,10 +113,11 @@ class DataParallelRunner:
         def work() -> list:
             chosen = [token_lists[i] for i in mine]
             outs = self.local.run(chosen, [params[i] for i in mine], self._bar(progress))
-            return [dataclasses.asdict(o) for o in outs]
+            # every rank has the prompts: only what the replica made travels
+            return [{k: v for k, v in dataclasses.asdict(o).items() if k != "prompt_token_ids"} for o in outs]
 
         results = self._gather(mine, work)
-        return [RequestOutput(**r) for r in results]
+        return [RequestOutput(prompt_token_ids=ids, **r) for ids, r in zip(token_lists, results)]
 
     def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
         """`RadixBatchRunner.loglikelihood` over the replicas; pairs sharing a context go to one replica."""

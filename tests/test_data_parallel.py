@@ -40,7 +40,7 @@ def _params():
 
 
 def _summary(outs) -> list:
-    return [[o.token_ids, o.finish_reason, o.error is not None] for o in outs]
+    return [[o.prompt_token_ids, o.token_ids, o.finish_reason, o.error is not None] for o in outs]
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -> None:
