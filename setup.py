@@ -19,14 +19,15 @@ setup(
     packages=find_packages(include=["hf_radix", "hf_radix.*"]),
     package_data={"hf_radix.kernels": ["*.cu"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm"],
+    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm", "safetensors"],
     extras_require={
         "triton": ["triton>=3.0"],
-        "flashinfer": ["flashinfer-python"],
-        "flash-attn": ["flash-attn"],
         "datasets": ["datasets"],
         "eval": ["lm-eval>=0.4.13", "accelerate"],
         "test": _read_requirements("requirements-test.txt"),
     },
-    entry_points={"lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"]},
+    entry_points={
+        "lm_eval.models": ["hf-radix = hf_radix.lm_eval_backend:HFRadixLM"],
+        "console_scripts": ["hf-radix-lm-eval = hf_radix.lm_eval_backend:main"],
+    },
 )

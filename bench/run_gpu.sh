@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT.
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [gsp] [generate] [score]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [gsp] [generate] [score] [warm] [chat] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
@@ -11,5 +11,8 @@ for step in "$@"; do
     gsp) timeout 260 python3 bench/gsp.py --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
+    warm) timeout 240 python3 bench/warm_start_bench.py --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
+    chat) timeout 240 python3 bench/chat_bench.py --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
+    warmtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
   esac
 done

@@ -5,27 +5,35 @@ Importing the package registers the "radix" attention and `cache_implementation=
 
 from transformers.utils import logging as _logging
 
+from . import cache_io as _cache_io
 from .attention import register as _register_attention
+from .cache_io import CacheFileError
 from .cache_utils import RadixCache, register_generate_support
 from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
+from .errors import RequestError, UnsupportedModelError
 from .radix_tree import IntegrityError
 from .request import RequestOutput
 from .sampling import SamplingParams
 from .scheduler import RadixBatchRunner, RunnerStats
 
 __all__ = [
+    "CacheFileError",
     "DataParallelRunner",
     "IntegrityError",
     "RadixBatchRunner",
     "RadixCache",
     "RadixEngine",
+    "RequestError",
     "RequestOutput",
     "RunnerStats",
     "SamplingParams",
+    "UnsupportedModelError",
     "cache_stats",
     "configure",
     "get_engine",
+    "load_cache",
+    "save_cache",
 ]
 __version__ = "0.1.0"
 
@@ -33,6 +41,16 @@ __version__ = "0.1.0"
 def cache_stats(model) -> dict:
     """Prefix-reuse statistics of the model's engine: prompt/cached/computed tokens, hit rate, evictions."""
     return get_engine(model).stats_dict()
+
+
+def save_cache(model, path) -> dict:
+    """Saves the model's prefix cache to a safetensors file; see `RadixBatchRunner.save_cache`."""
+    return _cache_io.save_cache(get_engine(model), path)
+
+
+def load_cache(model, path) -> dict:
+    """Loads a saved prefix cache into the model's engine; refuses another model, dtype or layout."""
+    return _cache_io.load_cache(get_engine(model), path)
 
 
 # transformers' get_logger leaves other packages outside its root logger: hanging "hf_radix" under it

@@ -8,17 +8,24 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging
 
+from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
+from .errors import UnsupportedModelError
 from .forward_batch import ForwardBatch
+from .forward_context import ATTENTION_NAME, current_forward
+from .latent import expanded_attention_inputs
 from .placement import layer_device
 
 logger = logging.get_logger(__name__)
 
-ATTENTION_NAME = "radix"
-BACKENDS = ("auto", "torch", "triton", "flashinfer")
+BACKENDS = ("auto", "torch", "triton")
 
 
 class AttentionBackend(Protocol):
-    """Computes attention for a packed batch whose K/V (new tokens included) are already in the pool."""
+    """Computes attention for a packed batch whose K/V (new tokens included) are already in the pool.
+
+    K and V may have different head sizes (MLA); ``sinks`` (``[Hq]`` or None) are attention-sink logits
+    (gpt-oss): one extra key per head that takes softmax mass and contributes no value.
+    """
 
     name: str
 
@@ -33,6 +40,7 @@ class AttentionBackend(Protocol):
         scaling: float,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -41,8 +49,8 @@ class TorchBackend:
 
     name = "torch"
 
-    def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap):
-        out = torch.empty_like(q)
+    def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
+        out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
         qo = batch.qo_indptr_host
         seq = batch.seq_lens_host
         kv_start = 0
@@ -54,7 +62,7 @@ class TorchBackend:
             if q_end == q_start:
                 continue
             k = k_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-            v = v_cache[slots].float().repeat_interleave(group, dim=1)
+            v = v_cache[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, Dv]
             qr = q[q_start:q_end].float()  # [n, Hq, D]
             scores = torch.einsum("nhd,lhd->hnl", qr, k) * scaling
             if softcap:
@@ -65,7 +73,12 @@ class TorchBackend:
             if sliding_window:
                 allowed &= q_pos - k_pos < sliding_window
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out[q_start:q_end] = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v).to(q.dtype)
+            if sinks is not None:
+                sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out[q_start:q_end] = torch.einsum("hnl,lhd->nhd", probs, v).to(q.dtype)
         return out
 
 
@@ -79,7 +92,7 @@ class TritonBackend:
 
         self._kernels = triton_attention
 
-    def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap):
+    def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
         if batch.is_decode:
             return self._kernels.decode_attention(
                 q,
@@ -91,6 +104,7 @@ class TritonBackend:
                 sliding_window=sliding_window,
                 softcap=softcap,
                 max_kv_len=batch.max_kv_len,
+                sinks=sinks,
             )
         return self._kernels.extend_attention(
             q,
@@ -107,6 +121,7 @@ class TritonBackend:
             softcap=softcap,
             max_new_len=batch.max_new_len,
             max_prefix_len=batch.max_kv_len,
+            sinks=sinks,
         )
 
 
@@ -114,8 +129,6 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
     """Resolves a backend name; "auto" is Triton on CUDA when importable, the torch reference otherwise."""
     if name not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {BACKENDS}, got {name!r}")
-    if name == "flashinfer":
-        raise ValueError("attn_backend='flashinfer' is not available in this build; use 'triton' or 'torch'")
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()
@@ -137,15 +150,22 @@ def radix_attention_forward(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention over the pool for a packed `(1, T)` batch; the cache already stored this layer's K/V."""
-    cache = kwargs.get("radix_cache")
+    """Attention over the pool for a packed `(1, T)` batch; the cache already stored this layer's K/V.
+
+    `s_aux` are gpt-oss's attention sinks. Arguments that would change the result and that this
+    attention does not implement raise instead of being ignored.
+    """
+    cache = current_forward()
     if cache is None or cache.batch is None:
         raise RuntimeError(
             "the 'radix' attention runs only inside hf_radix forwards (RadixBatchRunner or "
             "generate(..., cache_implementation='radix'))"
         )
+    count_attention_call()
+    _check_call(module, dropout, kwargs)
     pool = cache.engine.pool
     if query.shape[0] != 1:
         raise ValueError(
@@ -153,23 +173,40 @@ def radix_attention_forward(
         )
     layer = module.layer_idx
     q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
+    backend = cache.engine.backend
+    batch = cache.batch_on(q.device)  # a device map: this layer's copy of the metadata
+    if pool.shape.latent:
+        k, v, k_cache, v_cache, batch = expanded_attention_inputs(
+            batch, key, value, host_indices=backend.name == "torch"
+        )
+    else:
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+        k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
     with layer_device(pool, layer):  # a device map: this layer's kernels on its device
-        out = cache.engine.backend.forward(
-            q,
-            k,
-            v,
-            pool.k_cache(layer),
-            pool.v_cache(layer),
-            cache.batch_on(q.device),
-            scaling,
-            sliding_window,
-            softcap or None,
+        out = backend.forward(
+            q, k, v, k_cache, v_cache, batch, scaling, sliding_window, softcap or None, s_aux
         )
     return out.unsqueeze(0), None
+
+
+def _check_call(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    """Raises for what this attention cannot compute exactly (instead of silently ignoring it)."""
+    if dropout:
+        raise ValueError(
+            f"the 'radix' attention has no dropout (got dropout={dropout}): put the model in eval mode "
+            "(model.eval()) before radix calls"
+        )
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedModelError(type(module).__name__, "its attention is not causal")
+    given = [name for name in REFUSED_ATTENTION_KWARGS if kwargs.get(name) is not None]
+    if given:
+        raise UnsupportedModelError(
+            type(module).__name__,
+            f"it passes {', '.join(given)} to the attention function, which the radix attention does not "
+            "implement",
+        )
 
 
 def no_dense_mask(*args, **kwargs) -> None:

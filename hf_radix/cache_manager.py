@@ -5,10 +5,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
+
+if TYPE_CHECKING:
+    from .host_tier import HostTier
 
 
 class OutOfPagesError(RuntimeError):
@@ -46,6 +50,7 @@ class CacheManager:
         self._next_row = 0
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
+        self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property
@@ -67,8 +72,15 @@ class CacheManager:
 
     # -- matching and locking ------------------------------------------------------------------------
     def match(self, token_ids: Sequence[int] | np.ndarray) -> MatchHandle:
-        """Longest cached prefix of `token_ids[:-1]`: the last token is always recomputed for its logits."""
-        return self.tree.match_prefix(np.asarray(token_ids)[: max(len(token_ids) - 1, 0)])
+        """Longest cached prefix of `token_ids[:-1]`: the last token is always recomputed for its logits.
+
+        With a host tier, a longer prefix held there is copied back into fresh pages first (asynchronously).
+        """
+        ids = np.asarray(token_ids)[: max(len(token_ids) - 1, 0)]
+        handle = self.tree.match_prefix(ids)
+        if self.host_tier is not None:
+            handle = self.host_tier.extend_match(ids, handle)
+        return handle
 
     def lock(self, handle: MatchHandle) -> None:
         self.tree.lock(handle)
@@ -185,35 +197,63 @@ class CacheManager:
             if pending:
                 self._free = np.concatenate([self._free, *pending])
 
+    # -- tier hooks (cache_io, host_tier): pages handed to the tree outside a request ---------------
+    def take_pages(self, count: int) -> np.ndarray:
+        """First slots of `count` pages taken off the free list, evicting LRU prefixes on shortfall."""
+        return self._take_pages(count)
+
+    def release_pages(self, slots: np.ndarray) -> None:
+        """Returns whole pages (given by all their slots, page-aligned) to the free list."""
+        self._release(np.asarray(slots, dtype=np.int64))
+
     # -- maintenance ---------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Drops the whole prefix cache; only allowed when no request holds a row."""
+        """Drops the whole prefix cache (both tiers); only allowed when no request holds a row."""
         if self._rows:
             raise RuntimeError(f"cannot reset the cache while {len(self._rows)} requests are running")
         self.tree.reset()
+        if self.host_tier is not None:
+            self.host_tier.reset()
         self._free = np.arange(self.num_pages, dtype=np.int64) * self.page_size
 
     def check_integrity(self) -> None:
-        """Raises IntegrityError unless free + tree + held-by-running-requests pages == total pages."""
-        self.tree.check_integrity()
+        """Raises IntegrityError unless the pages, the rows and the tree agree exactly.
+
+        Every managed page (0..num_pages-1, never the scratch page past them) is in exactly one place:
+        free, held by the tree, or owned by a running request; each tree node's ref count equals the
+        number of live rows whose locked prefix covers it; each row's cached prefix matches the tree.
+        """
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
         if self._lazy_frees is not None:
             raise IntegrityError("check_integrity called inside a lazy_free_region")
+        for state in self._rows.values():
+            if not state.handle.locked:
+                raise IntegrityError("a running request's prefix is not locked")
+        self.tree.check_integrity(locks=[state.handle for state in self._rows.values()])
         ps = self.page_size
-        tree_pages = self.tree.size_info.total_size // ps
+        limit = self.num_pages * ps  # the scratch page (first slot `limit`) is never managed
         owned = [state.slots[state.handle.cached_len :] for state in self._rows.values()]
-        owned_pages = sum(-(-len(s) // ps) for s in owned)
-        if len(self._free) + tree_pages + owned_pages != self.num_pages:
-            raise IntegrityError(
-                f"page leak: free {len(self._free)} + tree {tree_pages} + running {owned_pages} "
-                f"!= total {self.num_pages}"
-            )
-        firsts = np.concatenate([self._free, *(s[::ps] for s in owned), self.tree.slot_indices()[::ps]])
+        tree_slots = self.tree.slot_indices()
+        for what, slots in (("free", self._free), ("cached", tree_slots), *(("owned", s) for s in owned)):
+            bad = slots[(slots < 0) | (slots >= limit)]
+            if len(bad):
+                raise IntegrityError(
+                    f"a {what} page index is out of range: slot {int(bad[0])} not in [0, {limit})"
+                    + (" (the scratch page)" if int(bad[0]) // ps == self.num_pages else "")
+                )
+        firsts = np.concatenate([self._free, *(s[::ps] for s in owned), tree_slots[::ps]])
         if ps > 1 and np.any(firsts % ps):
             raise IntegrityError("a free, owned or cached page does not start at a page boundary")
         if len(np.unique(firsts)) != len(firsts):
             raise IntegrityError("a page is in two places at once (free, cached or owned by a request)")
+        if len(firsts) != self.num_pages:
+            missing = np.setdiff1d(np.arange(self.num_pages) * ps, firsts)
+            raise IntegrityError(
+                f"page leak: free {len(self._free)} + tree {len(tree_slots[::ps])} + running "
+                f"{sum(len(s[::ps]) for s in owned)} != total {self.num_pages}; first missing page "
+                f"{int(missing[0]) // ps if len(missing) else '?'}"
+            )
         for state in self._rows.values():
-            if not state.handle.locked:
-                raise IntegrityError("a running request's prefix is not locked")
             if not np.array_equal(state.slots[: state.handle.cached_len], state.handle.matched_indices()):
                 raise IntegrityError("a running request's page-table row disagrees with the tree")

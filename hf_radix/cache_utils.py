@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .forward_batch import ForwardBatch
+from .latent import context_latents
 from .placement import batch_to
 
 if TYPE_CHECKING:
@@ -48,7 +49,10 @@ class RadixCache(Cache):
             raise RuntimeError("RadixCache.update called outside an hf_radix forward")
         k = key_states[0].transpose(0, 1)
         v = value_states[0].transpose(0, 1)
-        self.engine.pool.store_kv(k, v, self.batch_on(k.device).out_loc, layer_idx)
+        batch = self.batch_on(k.device)  # a device map: this layer's copy of the metadata
+        self.engine.pool.store_kv(k, v, batch.out_loc, layer_idx)
+        if self.engine.pool.shape.latent:  # MLA: the layer expands its whole context's latents itself
+            return context_latents(self.engine.pool, batch, layer_idx, k, v)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -67,8 +71,10 @@ CACHE_IMPLEMENTATION = "radix"
 def register_generate_support() -> None:
     """Makes "radix" a valid `cache_implementation` and routes such `generate` calls here (idempotent).
 
-    Touches transformers in two places only: the tuple of valid cache implementations, and a thin wrapper
-    around `GenerationMixin.generate` that passes every other call through unchanged.
+    Touches transformers in three places only: the tuple of valid cache implementations, a thin wrapper
+    around `GenerationMixin.generate` that passes every other call through unchanged, and one around
+    `GenerationMixin._prepare_generation_config` that unsets, in a radix call's own context only, the
+    settings the radix path takes over.
     """
     from transformers.generation import configuration_utils as gen_config
     from transformers.generation.utils import GenerationMixin
@@ -87,3 +93,12 @@ def register_generate_support() -> None:
 
     generate._hf_radix = True
     GenerationMixin.generate = generate
+    original_prepare = GenerationMixin._prepare_generation_config
+
+    @functools.wraps(original_prepare)
+    def _prepare_generation_config(self, *args, **kwargs):
+        from .generation import prepare_generation_config
+
+        return prepare_generation_config(original_prepare, self, args, kwargs)
+
+    GenerationMixin._prepare_generation_config = _prepare_generation_config

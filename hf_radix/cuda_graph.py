@@ -54,8 +54,9 @@ class _StagedBuffer:
     """A device index buffer with a pinned host twin: fill `host`, then `upload(n)` copies its first n."""
 
     def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
-        self.device = torch.zeros(size, dtype=dtype, device=device)
-        self._pinned = torch.zeros(size, dtype=dtype).pin_memory()
+        with torch.inference_mode(False):  # written later by calls in any grad mode
+            self.device = torch.zeros(size, dtype=dtype, device=device)
+            self._pinned = torch.zeros(size, dtype=dtype).pin_memory()
         self.host = self._pinned.numpy()
 
     def upload(self, n: int) -> None:

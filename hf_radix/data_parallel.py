@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transformers.utils import logging
 
 from .distributed import all_gather_json
+from .errors import RequestError, check_error_mode, raise_or_return
 from .request import RequestOutput
 from .routing import CacheAwareRouter
 from .sampling import SamplingParams
@@ -99,10 +100,16 @@ class DataParallelRunner:
         prompts: Iterable,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool | None = None,
+        errors: str = "return",
     ) -> list[RequestOutput]:
-        """`RadixBatchRunner.run` over the replicas: every rank returns all outputs, in input order."""
+        """`RadixBatchRunner.run` over the replicas: every rank returns all outputs, in input order.
+
+        The error policy is `RadixBatchRunner.run`'s: a bad request fails alone in its output, and
+        `errors="raise"` raises a `RequestError` carrying every output (on every rank).
+        """
+        check_error_mode(errors)
         token_lists = self.local._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(token_lists):
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
@@ -117,10 +124,19 @@ class DataParallelRunner:
             return [{k: v for k, v in dataclasses.asdict(o).items() if k != "prompt_token_ids"} for o in outs]
 
         results = self._gather(mine, work)
-        return [RequestOutput(prompt_token_ids=ids, **r) for ids, r in zip(token_lists, results)]
+        outputs = [RequestOutput(prompt_token_ids=ids, **r) for ids, r in zip(token_lists, results)]
+        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
+        return raise_or_return(outputs, failures, errors, "requests")
 
-    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
-        """`RadixBatchRunner.loglikelihood` over the replicas; pairs sharing a context go to one replica."""
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]:
+        """`RadixBatchRunner.loglikelihood` over the replicas; pairs sharing a context go to one replica.
+
+        The error policy is `RadixBatchRunner.loglikelihood`'s, over all pairs of every replica: a bad pair
+        fails alone; `errors="raise"` raises one `RequestError` (every rank), `"return"` gives None there.
+        """
+        check_error_mode(errors)
         pairs = list(pairs)
         contexts = self.local._tokenize([c for c, _ in pairs])
         continuations = self.local._tokenize_continuations(pairs)
@@ -129,12 +145,19 @@ class DataParallelRunner:
         mine = self._route([c + x for c, x in zip(contexts, continuations)], [0] * len(pairs))
 
         def work() -> list:
-            scores = self.local.loglikelihood(
-                [(contexts[i], continuations[i]) for i in mine], self._bar(progress)
-            )
-            return [list(s) for s in scores]
+            try:
+                scores = self.local.loglikelihood(
+                    [(contexts[i], continuations[i]) for i in mine], self._bar(progress)
+                )
+                failed = {}
+            except RequestError as exc:  # the others completed: gathered with the failures' messages
+                scores, failed = exc.results, exc.errors
+            return [[None, failed[j]] if s is None else [list(s), None] for j, s in enumerate(scores)]
 
-        return [(float(lp), bool(greedy)) for lp, greedy in self._gather(mine, work)]
+        gathered = self._gather(mine, work)
+        results = [None if score is None else (float(score[0]), bool(score[1])) for score, _ in gathered]
+        failures = {i: message for i, (_, message) in enumerate(gathered) if message is not None}
+        return raise_or_return(results, failures, errors, "scoring requests")
 
     def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
         """Total log-likelihood of each whole text (perplexity scoring), windows spread over the replicas."""

@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator
+import threading
 from dataclasses import asdict, dataclass
 
 import torch
 from transformers.utils import logging
 
-from .attention import ATTENTION_NAME, make_backend, register
+from .attention import make_backend, register
 from .cache_manager import CacheManager
+from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
+from .forward_context import attention_configs, radix_attention, radix_forward
+from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
-from .placement import hidden_output_device, is_dispatched, make_kv_pool
+from .placement import (
+    PlacedKVPool,
+    hidden_output_device,
+    is_dispatched,
+    make_kv_pool,
+    pool_devices,
+    require_one_device,
+)
 from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.get_logger(__name__)
@@ -28,6 +38,7 @@ class CacheStats:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     computed_tokens: int = 0
     generated_tokens: int = 0
     forward_calls: int = 0
@@ -37,7 +48,8 @@ class CacheStats:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        gpu = self.cached_tokens - self.host_cached_tokens
+        return {**asdict(self), "gpu_cached_tokens": gpu, "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
@@ -49,25 +61,12 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
+    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
+    host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
-
-
-@contextlib.contextmanager
-def radix_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Switches the model to the "radix" attention for the duration of the block."""
-    config = model.config
-    previous = config._attn_implementation
-    if previous == ATTENTION_NAME:
-        yield
-        return
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
 
 
 class RadixEngine:
@@ -75,6 +74,8 @@ class RadixEngine:
 
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
+        support = check_model(model)  # UnsupportedModelError before anything is allocated
+        install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
         device = next(model.parameters()).device
@@ -83,13 +84,21 @@ class RadixEngine:
         # multi-GPU hooks: KV heads of this rank's tensor-parallel shard; per-layer devices of a device map
         self.tp_group = tp_group(model)
         # One extra page past the managed ones: padded rows of captured decode graphs write there.
+        shape = local_kv_shape(model, support.kv_shape)
         self.pool, num_pages = make_kv_pool(
-            model, local_kv_shape(model), dtype, device, page_size, self.options.max_total_tokens,
+            model, shape, dtype, device, page_size, self.options.max_total_tokens,
             self.options.mem_fraction, self.options.store_backend, self.tp_group,
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size)
+        host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        if host_tokens:
+            require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
+        self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+        if self.host_tier is not None:
+            self.host_tier.attach(self.manager)
+        _announce_pool(self.pool, self.pool_tokens, self.options)
         self.backend = make_backend(self.options.attn_backend, device)
         self.stats = CacheStats()
         text_config = model.config.get_text_config(decoder=True)
@@ -98,6 +107,10 @@ class RadixEngine:
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.takes_logits_to_keep = "logits_to_keep" in params
+        self.attention_configs = attention_configs(model)
+        # Radix calls (runner runs, generate calls) on this engine run one at a time; reentrant, so that a
+        # call made inside another one in the same thread (a runner inside a logits processor) can proceed.
+        self.lock = threading.RLock()
 
     @property
     def device(self) -> torch.device:
@@ -105,7 +118,17 @@ class RadixEngine:
 
     @property
     def page_size(self) -> int:
-        return self.pool.page_size
+        return self.manager.page_size
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens of K/V the pool holds for requests (the scratch page of padded graph rows excluded)."""
+        return self.manager.num_pages * self.manager.page_size
+
+    @property
+    def closed(self) -> bool:
+        """True once `get_engine` replaced this engine and released its pool."""
+        return self.pool is None
 
     @property
     def single_device(self) -> bool:
@@ -113,9 +136,16 @@ class RadixEngine:
         return isinstance(self.pool, KVPool) and self.tp_group is None
 
     @property
-    def cuda_graphs_supported(self) -> bool:
-        """Decode/extend graphs can be captured: one CUDA device, Triton attention."""
-        return self.single_device and self.device.type == "cuda" and self.backend.name == "triton"
+    def captures_graphs(self) -> bool:
+        """Forwards can replay CUDA graphs: one CUDA device (no device map across GPUs, no tensor
+        parallel), Triton attention, and K/V read from the pool (not MLA latents, whose layers re-read
+        every row's whole context)."""
+        return (
+            self.single_device
+            and self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and not self.pool.shape.latent
+        )
 
     def sync_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
         """Sampled tokens, the same on every tensor-parallel rank (the first rank's)."""
@@ -126,16 +156,19 @@ class RadixEngine:
         from .cache_utils import RadixCache
 
         cache = RadixCache(self, batch)
-        with radix_attention(self.model), torch.inference_mode():
+        with self.radix_attention(), radix_forward(cache), torch.inference_mode():
             out = self.model(
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
                 use_cache=True,
                 logits_to_keep=cache.batch_on(self.output_device).logits_indices,
-                radix_cache=cache,
                 **{self.cache_kwarg: cache},
             )
         return out.logits[0].to(self.device)  # a device map may end on another device
+
+    def radix_attention(self) -> contextlib.AbstractContextManager:
+        """The model reads the "radix" attention in this thread (only) for the duration of the block."""
+        return radix_attention(self.attention_configs)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """`run_model`, counted in the engine's statistics."""
@@ -147,9 +180,10 @@ class RadixEngine:
         self.stats.computed_tokens += num_tokens
         self.stats.forward_calls += 1
 
-    def record_prompt(self, prompt_len: int, cached_len: int) -> None:
+    def record_prompt(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
+        self.stats.host_cached_tokens += host_len
 
     def stats_dict(self) -> dict:
         size = self.manager.tree.size_info
@@ -157,7 +191,8 @@ class RadixEngine:
             **self.stats.as_dict(),
             "evicted_tokens": self.manager.evicted_tokens,
             "tree_tokens": size.total_size,
-            "pool_tokens": self.manager.num_pages * self.page_size,
+            "pool_tokens": self.pool_tokens,
+            **(self.host_tier.stats() if self.host_tier is not None else {}),
         }
 
     def check_integrity(self) -> None:
@@ -166,17 +201,78 @@ class RadixEngine:
     def reset_cache(self) -> None:
         self.manager.reset()
 
+    def set_backends(self, options: EngineOptions) -> None:
+        """Switches the attention and store backends; the pool and its cached prefixes stay."""
+        self.backend = make_backend(options.attn_backend, self.device)
+        self.pool.store_backend = options.store_backend
+        self.options = options
+
+    def close(self) -> None:
+        """Releases the pool and its host tier for good; runners bound to this engine rebind on next use."""
+        device = self.device
+        if self.host_tier is not None:  # the tier holds the pool
+            self.host_tier.detach()
+        self.pool = self.host_tier = None
+        if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
+            torch.cuda.empty_cache()
+
+
+def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions) -> None:
+    """Says how much memory the pool took and how to size it: a WARNING, once, unless sized by hand on CPU."""
+    if options.max_total_tokens is not None:
+        sized_by = f"max_total_tokens={options.max_total_tokens:,}"
+    elif pool.device.type == "cuda":
+        sized_by = f"mem_fraction={options.mem_fraction} of the free GPU memory"
+    else:
+        sized_by = "the default size off GPU"
+    devices = " + ".join(str(d) for d in pool_devices(pool))  # a device map: every device with layers
+    message = (
+        f"hf_radix: the KV pool of this model takes {pool.nbytes / 2**30:.2f} GiB of {devices} memory "
+        f"({tokens:,} tokens, {sized_by}); to change it, call "
+        "hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
+        "or pass either to RadixBatchRunner"
+    )
+    if options.max_total_tokens is None or pool.device.type == "cuda":
+        logger.warning_once(message)
+    else:
+        logger.info(message)
+
+
+# Options read only by the forward path: a new value replaces the engine's backends and keeps its cache.
+_BACKEND_OPTIONS = ("attn_backend", "store_backend")
+
+
+def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:
+    """Whether two option sets build the same pool (mem_fraction is unused when max_total_tokens is set)."""
+    unused = ("mem_fraction",) if a.max_total_tokens is not None else ()
+    keep = set(_BACKEND_OPTIONS) | set(unused)
+    return {k: v for k, v in asdict(a).items() if k not in keep} == {
+        k: v for k, v in asdict(b).items() if k not in keep
+    }
+
 
 def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
-    """The model's engine, created on first use; replaced (when idle) if `options` ask for another pool."""
-    engine = getattr(model, _ENGINE_ATTR, None)
-    requested = EngineOptions(**{**(asdict(engine.options) if engine else {}), **options})
-    if engine is not None:
-        if requested == engine.options:
-            return engine
-        if engine.manager.num_rows:
-            raise RuntimeError("cannot change hf_radix pool options while requests are running on this model")
-        logger.info("replacing the hf_radix engine of this model: %s", requested)
+    """The model's engine, created on first use.
+
+    Options that only change backends update the engine in place and keep its cache; options that need
+    another pool release the old pool first (only while no request is running), so a model never holds two.
+    """
+    engine: RadixEngine | None = getattr(model, _ENGINE_ATTR, None)
+    if engine is None:
+        engine = RadixEngine(model, EngineOptions(**options))
+        setattr(model, _ENGINE_ATTR, engine)
+        return engine
+    requested = EngineOptions(**{**asdict(engine.options), **options})
+    if requested == engine.options:
+        return engine
+    if engine.manager.num_rows:
+        raise RuntimeError("cannot change hf_radix options while requests are running on this model")
+    if _same_pool(requested, engine.options):
+        engine.set_backends(requested)
+        return engine
+    logger.info("releasing the hf_radix KV pool of this model for one with %s", requested)
+    engine.close()
+    delattr(model, _ENGINE_ATTR)
     engine = RadixEngine(model, requested)
     setattr(model, _ENGINE_ATTR, engine)
     return engine

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from tqdm.auto import tqdm
+
 if TYPE_CHECKING:
     from .scheduler import RadixBatchRunner
 
@@ -64,6 +66,9 @@ def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> list[list[int]]:
     return [[int(t) for t in (x.tolist() if hasattr(x, "tolist") else x)] for x in texts]
 
 
+ROLLING_GROUP_TOKENS = 1 << 16  # with a progress bar, texts are scored in runner calls of about this size
+
+
 def loglikelihood_rolling(
     runner: RadixBatchRunner,
     texts: Iterable,
@@ -75,19 +80,29 @@ def loglikelihood_rolling(
     """Total log-likelihood of each text (strings or token-id lists), the first token given BOS/EOS.
 
     Texts longer than `max_length` (default: the model's context) are scored in disjoint rolling windows
-    (`rolling_windows`); an empty text scores 0.0.
+    (`rolling_windows`); an empty text scores 0.0. The progress bar (default: shown for 32 texts or more)
+    counts texts, which are scored in runner calls of about `ROLLING_GROUP_TOKENS` tokens for it.
     """
     token_lists = _token_lists(runner, texts)
     prefix = default_prefix_token_id(runner) if prefix_token_id is None else prefix_token_id
     length = runner.engine.max_context if max_length is None else max_length
-    owners, pairs = [], []
-    for i, tokens in enumerate(token_lists):
-        for window in rolling_windows(tokens, prefix, length):
-            owners.append(i)
-            pairs.append(window)
+    windows = [rolling_windows(tokens, prefix, length) for tokens in token_lists]
+    show = len(token_lists) >= 32 if progress is None else progress
+    budget = ROLLING_GROUP_TOKENS if show else float("inf")
     totals = [0.0] * len(token_lists)
-    for owner, (logprob, _) in zip(owners, runner.loglikelihood(pairs, progress)):
-        totals[owner] += logprob
+    with tqdm(total=len(token_lists), disable=not show, desc="rolling log-likelihood", unit="text") as bar:
+        start = 0
+        while start < len(windows):
+            end, size = start, 0
+            while end < len(windows) and (end == start or size < budget):
+                size += sum(len(a) + len(b) for a, b in windows[end])
+                end += 1
+            owners = [i for i in range(start, end) for _ in windows[i]]
+            pairs = [pair for i in range(start, end) for pair in windows[i]]
+            for owner, (logprob, _) in zip(owners, runner.loglikelihood(pairs, progress=False)):
+                totals[owner] += logprob
+            bar.update(end - start)
+            start = end
     return totals
 
 

@@ -3,7 +3,8 @@
 A captured graph keeps the kernels it recorded and nothing of the Python that launched them. So while a
 graph is captured, the model's RMSNorm modules and its modelling module's `apply_rotary_pos_emb` are
 swapped for one-kernel versions, and restored right after: every replay runs the fused kernels, and the
-model, its modelling module and every eager forward stay as they were.
+model, its modelling module and every eager forward stay as they were. The swapped versions run the fused
+kernels only in the capturing thread's context: another thread's forward meanwhile runs the originals.
 
 Only code that is exactly Llama's (same bytecode) is swapped; Mistral, Qwen2/3, Granite, SmolLM3 and
 others share it. The rest (Gemma's `1 + weight` norm, say) keep their own, as do calls with shapes or
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from types import CodeType, ModuleType
 
 import torch
@@ -26,6 +28,7 @@ from .kernels import interpreting
 logger = logging.get_logger(__name__)
 
 ENABLED = True  # swap in the fused kernels while capturing (benchmarks turn it off to compare)
+_fusing: ContextVar[bool] = ContextVar("hf_radix_fusing", default=False)  # this context is capturing
 
 
 def _same_code(fn: object, reference: Callable) -> bool:
@@ -54,7 +57,8 @@ def _norm_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
 
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if (
-            not _kernel_runs_on(hidden_states)
+            not _fusing.get()
+            or not _kernel_runs_on(hidden_states)
             or hidden_states.stride(-1) != 1
             or hidden_states.shape[-1] != module.weight.shape[-1]
         ):
@@ -91,7 +95,7 @@ def _rope_function(original: Callable) -> Callable:
     from .kernels.triton_norm_rope import rotary_embedding
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
-        if unsqueeze_dim != 1 or not _rope_fits(q, k, cos, sin):
+        if not _fusing.get() or unsqueeze_dim != 1 or not _rope_fits(q, k, cos, sin):
             return original(q, k, cos, sin, unsqueeze_dim)
         return rotary_embedding(q, k, cos, sin)
 
@@ -116,6 +120,7 @@ def fused_norm_and_rope(model: torch.nn.Module) -> Iterator[int]:
     Yields how many norm modules and modelling functions were swapped.
     """
     undo: list[Callable[[], None]] = []
+    token = _fusing.set(True)
     try:
         if ENABLED:
             for module in model.modules():
@@ -134,3 +139,4 @@ def fused_norm_and_rope(model: torch.nn.Module) -> Iterator[int]:
     finally:
         for restore in reversed(undo):
             restore()
+        _fusing.reset(token)

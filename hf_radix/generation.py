@@ -8,6 +8,7 @@ import inspect
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,8 +16,11 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
+from .capability import check_inputs
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
+from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, build_forward_batch
+from .forward_context import current_forward, model_attention, radix_forward
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -64,13 +68,13 @@ class RadixGenerateCache(RadixCache):
         self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
-        self._inner = False  # inside one of our own prefill-chunk forwards
-        self.model_attention: str | None = None  # the model's own attention, for forwards that are not ours
         self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        if self.finished:  # a finished call's cache handed to a plain forward: fail before any layer
+            raise ValueError(OWN_CACHE_MESSAGE)
         return self.seen
 
     # -- the model's forward during the call ------------------------------------------------------------
@@ -80,17 +84,13 @@ class RadixGenerateCache(RadixCache):
         Decode steps replay a captured CUDA graph when one is available; other calls made to the model
         during the call (a runner's, classifier-free guidance's own pass) run untouched.
         """
-        if self._inner or "radix_cache" in kwargs:
+        if current_forward() is not None:
             return inner(*args, **kwargs)  # our own prefill chunk, or a runner's forward inside generate
         if kwargs.get(self.engine.cache_kwarg) is not self:
-            # Not generate's step (e.g. classifier-free guidance's unconditional pass, with its own cache):
-            # it runs with the model's own attention.
-            previous = model.config._attn_implementation
-            model.config._attn_implementation = self.model_attention
-            try:
+            # Not generate's step (classifier-free guidance's unconditional pass with its own cache, or a
+            # plain call from another thread): it runs with the model's own attention.
+            with model_attention():
                 return inner(*args, **kwargs)
-            finally:
-                model.config._attn_implementation = previous
         self._take_step(model, args, kwargs)
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
@@ -103,7 +103,8 @@ class RadixGenerateCache(RadixCache):
             call = {key: value for key, value in kwargs.items() if key != "cache_position"}
             call.update(self._model_inputs(self.batch, packed_embeds))
             call["attention_mask"] = None
-            output = inner(**call)
+            with radix_forward(self):
+                output = inner(**call)
             logits = output.logits[0]
             if not self.supports_logits_to_keep:
                 logits = logits[self.batch.logits_indices]
@@ -263,7 +264,9 @@ class RadixGenerateCache(RadixCache):
             leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
             if leader != b:
                 self._followers[b] = leader
-            self.engine.record_prompt(n, n if leader != b else handle.cached_len)
+            self.engine.record_prompt(
+                n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
+            )
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         if self._followers:
@@ -290,7 +293,7 @@ class RadixGenerateCache(RadixCache):
         if need > available:
             raise ValueError(
                 f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
-                f"but only {available} of the pool's {self.engine.pool.num_slots} are free or evictable; "
+                f"but only {available} of the pool's {self.engine.pool_tokens} are free or evictable; "
                 "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
                 "or lower max_new_tokens or the batch size"
             )
@@ -324,7 +327,6 @@ class RadixGenerateCache(RadixCache):
             "input_ids": batch.input_ids[None] if embeds is None else None,
             "inputs_embeds": embeds,
             "position_ids": batch.positions[None],
-            "radix_cache": self,
             self.engine.cache_kwarg: self,
         }
         if self.supports_logits_to_keep:
@@ -347,11 +349,12 @@ class RadixGenerateCache(RadixCache):
             if not ends:
                 return
             batch, embeds = self._make_batch(ends, logits=False)
-            self.batch, self._inner = batch, True
+            self.batch = batch
             try:
-                module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
+                with radix_forward(self):
+                    module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
             finally:
-                self.batch, self._inner = None, False
+                self.batch = None
             self.engine.record_forward(batch.num_tokens)
             for b, end in ends.items():
                 self.computed[b] = end
@@ -419,6 +422,8 @@ _graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> it
 _ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> stream of steps run ahead
 _active_engines: set[int] = set()  # engines with a radix generate call in progress
 _active_lock = threading.Lock()
+# generation settings the radix call in this context takes over: generate, called by it, sees them unset
+_taken_over: ContextVar[tuple[str, ...]] = ContextVar("hf_radix_taken_over_settings", default=())
 
 
 def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | None:
@@ -464,10 +469,20 @@ def _effective_config(model, kwargs: dict):
     return config
 
 
+def prepare_generation_config(original: Callable, model, args: tuple, kwargs: dict):
+    """Generate's `_prepare_generation_config`, with the settings a radix call in this context takes over
+    unset (the model's defaults and every other thread's view stay untouched)."""
+    config, model_kwargs = original(model, *args, **kwargs)
+    for name in _taken_over.get():
+        setattr(config, name, None)
+    return config, model_kwargs
+
+
 def _check_supported(model, config, kwargs: dict) -> None:
     """Raises a ValueError naming the alternative for everything the radix path cannot do."""
     if model.config.is_encoder_decoder:
         raise ValueError("cache_implementation='radix' supports decoder-only models")
+    check_inputs(model, kwargs)
     mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
     if mode not in _SUPPORTED_MODES:
         if mode is not None and "beam" in mode:
@@ -497,10 +512,7 @@ def _check_supported(model, config, kwargs: dict) -> None:
             "neither); drop output_attentions / output_hidden_states, or use the default cache"
         )
     if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
-        raise ValueError(
-            "cache_implementation='radix' keeps its own cache: pass the whole conversation as input_ids (its "
-            "cached prefix is reused automatically) and no past_key_values"
-        )
+        raise ValueError(OWN_CACHE_MESSAGE)
 
 
 def _eos_ids(eos) -> list[int]:
@@ -519,7 +531,7 @@ def _sequences(result) -> torch.Tensor | None:
 
 def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
     """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
-    if not CUDA_GRAPHS or not engine.cuda_graphs_supported:
+    if not CUDA_GRAPHS or not engine.captures_graphs:
         return None
     graphs = _graphs.get(engine)
     if graphs is None:
@@ -566,7 +578,7 @@ def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callabl
 
 def _radix_generate(original, model, kwargs: dict):
     """Runs `original` generate with a RadixGenerateCache routing the model's forward; always cleans up."""
-    from .engine import get_engine, radix_attention
+    from .engine import get_engine
 
     config = _effective_config(model, kwargs)
     _check_supported(model, config, kwargs)
@@ -581,46 +593,54 @@ def _radix_generate(original, model, kwargs: dict):
         logits_to_keep=engine.takes_logits_to_keep,
     )
     # generate must not see what the radix path takes over: not in keywords, not in a config object (a
-    # copy; the user's stays untouched), not in the model's defaults (restored when the call ends).
+    # copy; the user's stays untouched), not from the model's defaults (unset in this context only).
     call = {key: value for key, value in kwargs.items() if key not in _TAKEN_OVER}
     if call.get("generation_config") is not None:
         call["generation_config"] = copy.deepcopy(call["generation_config"])
         for name in _TAKEN_OVER:
             setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
-    cache.model_attention = model.config._attn_implementation
     cache.graphs = _engine_graphs(engine)
-    with _active_lock:
-        if id(engine) in _active_engines:
-            raise RuntimeError(
-                "another generate(cache_implementation='radix') is running on this model; run the calls one "
-                "after another or pass the prompts as one batch"
-            )
-        _active_engines.add(id(engine))
-    defaults = model.generation_config
-    saved = {name: value for name in _TAKEN_OVER if (value := getattr(defaults, name, None)) is not None}
-    result = None
-    try:
-        for name in saved:
-            setattr(defaults, name, None)
-        restore_forward = _route_forward(model, cache)
-        try:
-            with radix_attention(model):
-                cache.prefill_ahead(call)
-                result = original(model, **call)
-        finally:
-            restore_forward()
-            cache.finish(_sequences(result))
-    finally:
-        for name, value in saved.items():
-            setattr(defaults, name, value)
+    with engine.lock:  # another thread's radix call on this engine finishes first
         with _active_lock:
-            _active_engines.discard(id(engine))
+            if id(engine) in _active_engines:
+                raise RuntimeError(
+                    "another generate(cache_implementation='radix') is running on this model; run the calls "
+                    "one after another or pass the prompts as one batch"
+                )
+            _active_engines.add(id(engine))
+        result = None
+        token = _taken_over.set(_TAKEN_OVER)
+        try:
+            restore_forward = _route_forward(model, cache)
+            try:
+                with engine.radix_attention():
+                    cache.prefill_ahead(call)
+                    result = original(model, **call)
+            finally:
+                restore_forward()
+                cache.finish(_sequences(result))
+        finally:
+            _taken_over.reset(token)
+            with _active_lock:
+                _active_engines.discard(id(engine))
     return result
 
 
 def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
-    """Runs `original` generate; through the radix path when the call asks for the "radix" cache."""
+    """Runs `original` generate; through the radix path when the call asks for the "radix" cache.
+
+    A finished radix call's returned `past_key_values` passed back (transformers' continuation idiom)
+    continues through the prefix cache, which already holds that conversation.
+    """
+    from .engine import _ENGINE_ATTR
+
+    for name in ("past_key_values", "cache"):
+        past = kwargs.get(name)
+        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, _ENGINE_ATTR, None)
+        if ours and past.finished:
+            kwargs = {key: value for key, value in kwargs.items() if key != name}
+            kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
         return original(model, *args, **kwargs)
     return _radix_generate(original, model, _as_keywords(original, args, kwargs))

@@ -17,11 +17,21 @@ CPU_DEFAULT_TOKENS = 32768
 
 @dataclass(frozen=True)
 class KVShape:
-    """Per-token K/V geometry of a decoder: layers, KV heads and head size."""
+    """Per-token K/V geometry of a decoder: layers, KV heads, the K head size and the V head size.
+
+    ``latent``: the layers cache compressed latents (MLA, DeepSeek-V2/V3 in transformers) that the model
+    expands into K/V after reading them back, so a forward must be handed every row's whole context.
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    v_head_dim: int | None = None  # None: same as head_dim
+    latent: bool = False
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     @classmethod
     def from_config(cls, config) -> KVShape:
@@ -34,7 +44,7 @@ class KVShape:
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.value_dim) * element
 
 
 def pool_size_tokens(
@@ -59,7 +69,14 @@ def pool_size_tokens(
 
 
 class KVPool:
-    """K/V storage `[2, layers, pages, page_size, kv_heads, head_dim]`; knows nothing of tokens."""
+    """K/V storage of every layer, addressed by slot; knows nothing of tokens.
+
+    One flat `buffer`: all layers' keys `[layers, slots, kv_heads, head_dim]`, then all layers' values
+    `[layers, slots, kv_heads, value_dim]` (with equal head sizes, the layout of
+    `[2, layers, pages, page_size, kv_heads, head_dim]`). Slot `p * page_size + i` is row i of page p.
+    Allocated as a normal tensor even inside `torch.inference_mode()`, so that radix calls made later
+    outside it can still write to it.
+    """
 
     def __init__(
         self,
@@ -76,20 +93,17 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.store_backend = store_backend
-        self.buffer = torch.zeros(
-            (2, shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim),
-            dtype=dtype,
-            device=device,
-        )
         slots = num_pages * page_size
-        self._k = [
-            self.buffer[0, layer].view(slots, shape.num_kv_heads, shape.head_dim)
-            for layer in range(shape.num_layers)
-        ]
-        self._v = [
-            self.buffer[1, layer].view(slots, shape.num_kv_heads, shape.head_dim)
-            for layer in range(shape.num_layers)
-        ]
+        k_shape = (shape.num_layers, slots, shape.num_kv_heads, shape.head_dim)
+        v_shape = (shape.num_layers, slots, shape.num_kv_heads, shape.value_dim)
+        k_numel = k_shape[0] * k_shape[1] * k_shape[2] * k_shape[3]
+        v_numel = v_shape[0] * v_shape[1] * v_shape[2] * v_shape[3]
+        with torch.inference_mode(False), torch.no_grad():
+            self.buffer = torch.zeros(k_numel + v_numel, dtype=dtype, device=device)
+            self._k_all = self.buffer[:k_numel].view(k_shape)
+            self._v_all = self.buffer[k_numel:].view(v_shape)
+            self._k = list(self._k_all.unbind(0))
+            self._v = list(self._v_all.unbind(0))
         logger.info(
             "KV pool: %d tokens, %.2f GiB", slots, self.buffer.numel() * self.buffer.element_size() / 2**30
         )
@@ -106,6 +120,11 @@ class KVPool:
     def device(self) -> torch.device:
         return self.buffer.device
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (keys and values of every layer)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of one layer as `[slots, kv_heads, head_dim]`."""
         return self._k[layer]
@@ -118,12 +137,24 @@ class KVPool:
         """Copies every layer's K/V from slots `src` to slots `dst`."""
         if len(src) == 0:
             return
-        flat = self.buffer.view(2, self.shape.num_layers, self.num_slots, self.shape.num_kv_heads, -1)
         src_t = torch.as_tensor(src, device=self.device)
-        flat[:, :, torch.as_tensor(dst, device=self.device)] = flat[:, :, src_t]
+        dst_t = torch.as_tensor(dst, device=self.device)
+        with torch.no_grad():
+            self._k_all[:, dst_t] = self._k_all[:, src_t]
+            self._v_all[:, dst_t] = self._v_all[:, src_t]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """Every layer's keys, `[layers, slots, kv_heads, head_dim]` (a view of `buffer`)."""
+        return self._k_all
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every layer's values, `[layers, slots, kv_heads, value_dim]` (a view of `buffer`)."""
+        return self._v_all
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
-        """Writes `k`, `v` (`[T, kv_heads, head_dim]`) of one layer to the slots `out_loc`."""
-        store_kv(
-            self._k[layer], self._v[layer], out_loc, k.to(self.dtype), v.to(self.dtype), self.store_backend
-        )
+        """Writes one layer's `k` (`[T, kv_heads, head_dim]`) and `v` (`[T, kv_heads, value_dim]`)."""
+        k, v = k.to(self.dtype), v.to(self.dtype)
+        with torch.no_grad():
+            store_kv(self._k[layer], self._v[layer], out_loc, k, v, self.store_backend)

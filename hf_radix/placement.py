@@ -108,6 +108,21 @@ def _device_guard(device: torch.device) -> Iterator[None]:
         yield
 
 
+def pool_devices(pool) -> list[torch.device]:
+    """The devices holding the pool's K/V (one for a `KVPool`)."""
+    return list(pool.chunks) if isinstance(pool, PlacedKVPool) else [pool.device]
+
+
+def require_one_device(pool, feature: str) -> None:
+    """Refuses `feature` for a pool split over several devices (it reads one pool buffer)."""
+    if isinstance(pool, PlacedKVPool):
+        raise NotImplementedError(
+            f"hf_radix: {feature} is not supported for a KV pool split over several devices "
+            f"({', '.join(str(d) for d in pool.chunks)}: a device_map model whose layers span them); "
+            "place the model on one device, or go without it"
+        )
+
+
 def layer_device(pool, layer: int):
     """Context for running one layer's kernels on the pool's device for that layer (a no-op for KVPool)."""
     if isinstance(pool, PlacedKVPool):
@@ -132,7 +147,6 @@ class PlacedKVPool:
         self.shape = shape
         self.num_pages = num_pages
         self.page_size = page_size
-        self.store_backend = store_backend
         self.layer_devices = [_as_device(d) for d in layer_devices]
         self.chunks: dict[torch.device, KVPool] = {}
         self._where: list[tuple[KVPool, int]] = []  # layer -> (its chunk, its index inside the chunk)
@@ -151,6 +165,15 @@ class PlacedKVPool:
         return self.num_pages * self.page_size
 
     @property
+    def store_backend(self) -> str:
+        return next(iter(self.chunks.values())).store_backend
+
+    @store_backend.setter
+    def store_backend(self, name: str) -> None:
+        for chunk in self.chunks.values():
+            chunk.store_backend = name
+
+    @property
     def dtype(self) -> torch.dtype:
         return next(iter(self.chunks.values())).dtype
 
@@ -162,7 +185,7 @@ class PlacedKVPool:
     @property
     def nbytes(self) -> int:
         """Bytes held on all devices together."""
-        return sum(chunk.buffer.numel() * chunk.buffer.element_size() for chunk in self.chunks.values())
+        return sum(chunk.nbytes for chunk in self.chunks.values())
 
     def k_cache(self, layer: int) -> torch.Tensor:
         chunk, index = self._where[layer]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,13 +56,14 @@ class RadixNode:
 class MatchHandle:
     """Result of a match/insert: the matched length and the deepest node of the matched path."""
 
-    __slots__ = ("cached_len", "node", "locked", "_cache")
+    __slots__ = ("cached_len", "node", "locked", "restored_len", "_cache")
 
     def __init__(self, cache: RadixPrefixCache, cached_len: int, node: RadixNode) -> None:
         self._cache = cache
         self.cached_len = cached_len
         self.node = node
         self.locked = False
+        self.restored_len = 0  # tokens of cached_len a host tier copied back for this match
 
     def matched_indices(self) -> np.ndarray:
         """Int64 slot indices of the matched prefix, in sequence order; ValueError if the node was evicted."""
@@ -95,6 +97,8 @@ class RadixPrefixCache:
         self.page_size = int(page_size)
         self._tick = 0
         self._seq = itertools.count()
+        # Called with each leaf `evict` removes, while it is still attached (a host tier keeps a copy).
+        self.on_evict: Callable[[RadixNode], None] | None = None
         self.reset()
 
     # ---------------------------------------------------------------- public API
@@ -192,6 +196,8 @@ class RadixPrefixCache:
             if node.ref_count or node.children:
                 node._queued_tick = -1  # re-queued when it becomes an evictable leaf again
                 continue
+            if self.on_evict is not None:
+                self.on_evict(node)
             parent = node.parent
             del parent.children[self._child_key(node.key)]
             node.parent = None
@@ -202,6 +208,15 @@ class RadixPrefixCache:
             self._maybe_queue(parent)
         return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
 
+    def nodes(self) -> list[RadixNode]:
+        """Every node but the root, each after its parent."""
+        out, stack = [], list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
     def slot_indices(self) -> np.ndarray:
         """Every slot index the tree holds (any order)."""
         values, stack = [], [self._root]
@@ -211,8 +226,13 @@ class RadixPrefixCache:
             stack.extend(node.children.values())
         return np.concatenate(values).astype(np.int64, copy=False)
 
-    def check_integrity(self) -> None:
-        """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness."""
+    def check_integrity(self, locks: Iterable[MatchHandle] | None = None) -> None:
+        """Verifies sizes, ref counts, parent/child links, page alignment and slot uniqueness.
+
+        With `locks` (every handle that is locked, e.g. the live requests' handles), each node's ref_count
+        must equal the number of those whose path covers it: a lock taken and never released fails.
+        """
+        expected = None if locks is None else self._lock_counts(locks)
         root = self._root
         if root.parent is not None or len(root.key) or len(root.value) or root.ref_count:
             raise IntegrityError("root must be empty, parentless and unreferenced")
@@ -236,6 +256,11 @@ class RadixPrefixCache:
                 continue
             if node.ref_count < child_refs:
                 raise IntegrityError(f"{node!r} has ref_count below the sum of its children's ({child_refs})")
+            if expected is not None and node.ref_count != expected.get(id(node), 0):
+                raise IntegrityError(
+                    f"{node!r}: the live locks add up to {expected.get(id(node), 0)} (a lock was leaked or "
+                    "released twice)"
+                )
             nodes.append(node)
             total += len(node.key)
             if node.ref_count > 0:
@@ -258,6 +283,20 @@ class RadixPrefixCache:
             raise IntegrityError("an evictable leaf is missing from the eviction heap")
 
     # ---------------------------------------------------------------- internals
+
+    def _lock_counts(self, locks: Iterable[MatchHandle]) -> dict[int, int]:
+        """id(node) -> how many of the locked `locks` cover it."""
+        counts: dict[int, int] = {}
+        for handle in locks:
+            if handle._cache is not self or not handle.locked:
+                raise IntegrityError(f"{handle!r} is not a lock held on this tree")
+            node = handle.node
+            while node is not self._root:
+                if node.parent is None:
+                    raise IntegrityError(f"{handle!r} points at a node no longer in the tree")
+                counts[id(node)] = counts.get(id(node), 0) + 1
+                node = node.parent
+        return counts
 
     def _next_tick(self) -> int:
         self._tick += 1

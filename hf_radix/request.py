@@ -18,6 +18,7 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     text: str | None = None
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
 
@@ -39,6 +40,7 @@ class Req:
     row: int | None = None
     num_computed: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0
     handle: MatchHandle | None = None
     logprob: float = 0.0
     greedy_match: bool = True

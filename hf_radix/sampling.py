@@ -1,10 +1,18 @@
-"""Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+"""Sampling parameters and a batched sampler (greedy, temperature, top-k, top-p, per-request seeds).
+
+The sampler's random numbers are counter-based: the noise of vocabulary entry `j` at a request's `n`-th
+sampled token is a hash of (the request's seed, `n`, `j`). So a seeded request samples the same tokens
+whatever its batch-mates and their order, and every row, seeded or not, is drawn by the same few batched
+ops: a step launches a fixed number of kernels whatever the batch. Each row's parameters are staged into
+device buffers once per change of the batch's requests, never per step.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,68 +44,203 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
 
+    @classmethod
+    def from_generation_config(cls, config) -> SamplingParams:
+        """The parameters `generate` would sample with under `config` (e.g. `model.generation_config`).
+
+        Unset fields take transformers' generate defaults (greedy unless `do_sample`; top_k=50 when sampling).
+        `max_length` counts the prompt and is not read: without `max_new_tokens` the default of 64 applies.
+        Settings the runner cannot honour exactly (beam search, repetition penalties, min-p, ...) raise.
+        """
+        defaults = getattr(config, "_get_default_generation_params", dict)()
+
+        def value(name: str, neutral=None):
+            got = getattr(config, name, None)
+            return defaults.get(name, neutral) if got is None else got
+
+        do_sample = bool(value("do_sample", False))
+        neutral = {
+            "num_beams": 1, "num_return_sequences": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+            "min_length": 0, "min_new_tokens": None, "bad_words_ids": None, "sequence_bias": None,
+            "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+            "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "penalty_alpha": None,
+            "dola_layers": None, "guidance_scale": None, "watermarking_config": None,
+        }
+        if do_sample:
+            neutral.update(min_p=None, top_h=None, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0)
+        unsupported = {k: value(k, v) for k, v in neutral.items() if value(k, v) not in (v, None)}
+        if unsupported:
+            raise ValueError(
+                f"the generation config sets {unsupported}, which RadixBatchRunner cannot honour; "
+                "pass SamplingParams(...) explicitly to run without them"
+            )
+        top_k = value("top_k", 0) or -1
+        return cls(
+            max_new_tokens=value("max_new_tokens", cls.max_new_tokens),
+            temperature=float(value("temperature", 1.0)) if do_sample else 0.0,
+            top_p=float(value("top_p", 1.0)) if do_sample else 1.0,
+            top_k=top_k if do_sample else -1,
+            stop=value("stop_strings"),
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-class SeededRows:
-    """Per-request random generators, so a seeded request samples the same tokens in any batch."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._generators: dict[int, torch.Generator] = {}
-
-    def get(self, uid: int, seed: int) -> torch.Generator:
-        generator = self._generators.get(uid)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-            self._generators[uid] = generator
-        return generator
-
-    def drop(self, uid: int) -> None:
-        self._generators.pop(uid, None)
+_MASK32 = 0xFFFFFFFF
+# Multipliers below 2**31: a 32-bit value times one fits int64 exactly, on every device.
+_MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Masks logits outside each row's top-k and nucleus (top-p); rows are independent."""
+def mix32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 values in [0, 2**32); exact anywhere."""
+    x = x ^ (x >> 16)
+    x = (x * _MIX_MULTIPLIERS[0]) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * _MIX_MULTIPLIERS[1]) & _MASK32
+    return x ^ (x >> 15)
+
+
+def gumbel_noise(row_keys: torch.Tensor, column_keys: torch.Tensor) -> torch.Tensor:
+    """Standard Gumbel noise `[rows, vocab]` from per-row and per-column 32-bit keys (counter-based)."""
+    bits = mix32(row_keys[:, None] ^ column_keys[None, :])
+    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24  # in (0, 1), exact in fp32
+    return uniform.log_().neg_().log_().neg_()
+
+
+def row_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Each row's key at its current step, from the two halves of its seed `[rows, 2]` (mixed at staging)."""
+    return mix32(mix32(seed_keys[:, 0] ^ steps) ^ seed_keys[:, 1])
+
+
+def seed_keys(seeds: Sequence[int]) -> np.ndarray:
+    """`[rows, 2]` int64: each 64-bit seed's halves, hashed (distinct seeds give unrelated streams)."""
+    values = np.array([s & ((1 << 64) - 1) for s in seeds], dtype=np.uint64)
+    low = (values & np.uint64(_MASK32)).astype(np.int64)
+    high = (values >> np.uint64(32)).astype(np.int64)
+    return np.stack([mix32(low ^ 0x5BD1E995), mix32(high ^ 0x1B873593)], axis=1)
+
+
+def _filter_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, ranks: torch.Tensor
+) -> torch.Tensor:
+    """Masks logits outside each row's top-k and nucleus (top-p), both `[rows, 1]`; rows are independent."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
-    drop = ranks >= k
+    drop = ranks >= top_k
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-    drop |= before >= top_p[:, None]
-    drop[:, 0] = False
+    drop |= before >= top_p
+    drop[:, 0].fill_(False)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def sample(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    uids: Sequence[int],
-    seeded: SeededRows,
-) -> torch.Tensor:
-    """Next token for each row of `logits` `[B, vocab]`; greedy rows take the argmax."""
-    tokens = logits.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
+@dataclass
+class _StagedBatch:
+    """Device copies of the parameters of one batch's sampled (non-greedy) rows."""
+
+    uids: tuple[int, ...]
+    sampled_uids: tuple[int, ...] = ()  # none: an all-greedy batch (the tensors below are then None)
+    rows: torch.Tensor | None = None  # [S] row of each sampled row in the batch
+    inv_temperature: torch.Tensor | None = None  # [S, 1]
+    top_k: torch.Tensor | None = None  # [S, 1]; int64 max where disabled
+    top_p: torch.Tensor | None = None  # [S, 1]
+    seed_keys: torch.Tensor | None = None  # [S, 2]
+    steps: torch.Tensor | None = None  # [S] tokens each row has sampled so far; advanced on the device
+    filters: bool = False  # some row uses top-k or top-p
+    calls: int = 0  # sample calls since staging
+
+
+class Sampler:
+    """Next tokens of a batch: greedy rows take the argmax, the others sample with counter-based noise.
+
+    `sample` restages per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must
+    be called when a request ends (its uid may then be reused). A request without a seed draws one from
+    torch's global generator when it first samples.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self._seeds: dict[int, int] = {}  # uid -> seed
+        self._sampled: dict[int, int] = {}  # uid -> tokens sampled before the staged batch's calls
+        self._staged: _StagedBatch | None = None
+        self._column_keys: torch.Tensor | None = None
+        self._ranks: torch.Tensor | None = None
+
+    def sample(
+        self, logits: torch.Tensor, params: Sequence[SamplingParams], uids: Sequence[int]
+    ) -> torch.Tensor:
+        """Next token `[B]` for each row of `logits` `[B, vocab]`; row `i` belongs to request `uids[i]`."""
+        if len(params) != logits.shape[0] or len(uids) != logits.shape[0]:
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params and {len(uids)} uids")
+        staged = self._staged
+        if staged is None or staged.uids != tuple(uids):
+            staged = self._stage(params, tuple(uids))
+        tokens = logits.argmax(dim=-1)
+        if not staged.sampled_uids:
+            return tokens
+        vocab = logits.shape[-1]
+        column_keys, ranks = self._vocab_constants(vocab)
+        scaled = logits.index_select(0, staged.rows).float().mul_(staged.inv_temperature)
+        if staged.filters:
+            scaled = _filter_top_k_top_p(scaled, staged.top_k, staged.top_p, ranks)
+        noise = gumbel_noise(row_keys(staged.seed_keys, staged.steps), column_keys)
+        tokens.index_copy_(0, staged.rows, scaled.add_(noise).argmax(dim=-1))
+        staged.steps.add_(1)
+        staged.calls += 1
         return tokens
-    device = logits.device
-    rows = torch.tensor(sampled, device=device)
-    temps = torch.tensor([params[i].temperature for i in sampled], device=device, dtype=torch.float32)
-    scaled = logits[rows].float() / temps[:, None]
-    top_k = torch.tensor([params[i].top_k for i in sampled], device=device)
-    top_p = torch.tensor([params[i].top_p for i in sampled], device=device, dtype=torch.float32)
-    probs = _filter_top_k_top_p(scaled, top_k, top_p).softmax(-1)
-    noise = torch.empty_like(probs)
-    unseeded = [j for j, i in enumerate(sampled) if params[i].seed is None]
-    if unseeded:
-        noise[unseeded] = torch.empty((len(unseeded), probs.shape[-1]), device=device).exponential_()
-    for j, i in enumerate(sampled):
-        if params[i].seed is not None:
-            noise[j].exponential_(generator=seeded.get(uids[i], params[i].seed))
-    tokens[rows] = (probs / noise).argmax(dim=-1)
-    return tokens
+
+    def drop(self, uid: int) -> None:
+        """Forgets request `uid` (it has finished)."""
+        self._unstage()
+        self._seeds.pop(uid, None)
+        self._sampled.pop(uid, None)
+
+    def _unstage(self) -> None:
+        """Folds the staged batch's calls into each of its requests' counts of sampled tokens."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            for uid in staged.sampled_uids:
+                self._sampled[uid] = self._sampled.get(uid, 0) + staged.calls
+
+    def _stage(self, params: Sequence[SamplingParams], uids: tuple[int, ...]) -> _StagedBatch:
+        self._unstage()
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            self._staged = _StagedBatch(uids)
+            return self._staged
+        sampled_uids = tuple(uids[i] for i in sampled)
+        for i in sampled:
+            if uids[i] not in self._seeds:
+                seed = params[i].seed
+                self._seeds[uids[i]] = int(torch.randint(1 << 62, ()).item()) if seed is None else seed
+        chosen = [params[i] for i in sampled]
+        ints = np.empty((len(sampled), 5), dtype=np.int64)
+        ints[:, 0] = sampled
+        ints[:, 1] = [p.top_k if p.top_k > 0 else np.iinfo(np.int64).max for p in chosen]
+        ints[:, 2:4] = seed_keys([self._seeds[u] for u in sampled_uids])
+        ints[:, 4] = [self._sampled.get(u, 0) for u in sampled_uids]
+        floats = np.array([[1.0 / p.temperature, p.top_p] for p in chosen], dtype=np.float32)
+        ints_dev = torch.from_numpy(ints).to(self.device)
+        floats_dev = torch.from_numpy(floats).to(self.device)
+        self._staged = _StagedBatch(
+            uids,
+            sampled_uids,
+            rows=ints_dev[:, 0],
+            inv_temperature=floats_dev[:, :1],
+            top_k=ints_dev[:, 1:2],
+            top_p=floats_dev[:, 1:2],
+            seed_keys=ints_dev[:, 2:4],
+            steps=ints_dev[:, 4],
+            filters=any(p.top_k > 0 or p.top_p < 1.0 for p in chosen),
+        )
+        return self._staged
+
+    def _vocab_constants(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-column keys and ranks `0..vocab-1` (made once per vocabulary size)."""
+        if self._column_keys is None or self._column_keys.shape[0] != vocab:
+            columns = torch.arange(vocab, dtype=torch.int64, device=self.device)
+            self._column_keys = mix32(mix32(columns ^ 0x27D4EB2F))
+            self._ranks = columns[None, :]
+        return self._column_keys, self._ranks

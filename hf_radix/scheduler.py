@@ -14,15 +14,18 @@ from transformers.utils import logging
 
 from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
 from .engine import RadixEngine, get_engine
+from .errors import check_error_mode, raise_or_return
 from .forward_batch import build_forward_batch
+from .logprobs import target_logprobs
 from .radix_tree import RadixPrefixCache
 from .request import Req, RequestOutput
-from .sampling import SamplingParams, SeededRows, sample
+from .sampling import Sampler, SamplingParams
+from .schedule_policy import PrefixAwareQueue
+from .stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
-LPM_MAX_QUEUE = 50_000  # above this, sorting the queue costs more than it saves: plain FCFS
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
 
@@ -33,12 +36,18 @@ class RunnerStats:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
     generated_tokens: int = 0
     wall_time: float = 0.0
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def gpu_cached_tokens(self) -> int:
+        """Of cached_tokens, those found on the GPU (the rest came back from the host tier)."""
+        return self.cached_tokens - self.host_cached_tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -48,7 +57,8 @@ class RunnerStats:
     def __repr__(self) -> str:
         return (
             f"RunnerStats(requests={self.requests}, prompt_tokens={self.prompt_tokens}, "
-            f"cached_tokens={self.cached_tokens}, hit_rate={self.hit_rate:.3f}, "
+            f"cached_tokens={self.cached_tokens}, host_cached_tokens={self.host_cached_tokens}, "
+            f"hit_rate={self.hit_rate:.3f}, "
             f"generated_tokens={self.generated_tokens}, wall_time={self.wall_time:.2f}s, "
             f"tokens_per_s={self.tokens_per_s:.1f})"
         )
@@ -78,13 +88,14 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
-        self.seeded = SeededRows(engine.device)
+        self.sampler = Sampler(engine.device)
+        self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
-        if cuda_graph and engine.cuda_graphs_supported:
+        if cuda_graph and engine.captures_graphs:
             self.decode_graphs = DecodeGraphs(engine, max_running_requests)
             self.extend_graphs = shared_extend_graphs(engine)
-        self.pending: deque[Req] = deque()
+        self.pending: deque[Req] | PrefixAwareQueue = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
 
@@ -92,9 +103,13 @@ class Scheduler:
     def run(self, reqs: list[Req], progress: bool) -> None:
         """Runs `reqs` to completion (or error); on any exception releases everything it holds."""
         ready = [r for r in reqs if self._admissible(r)]
-        if self.schedule_policy == "lpm" and len(ready) <= LPM_MAX_QUEUE:
-            ready.sort(key=lambda r: r.token_ids)  # depth-first order of the prompts' trie
-        self.pending = deque(ready)
+        if self.schedule_policy == "lpm":
+            manager = self.manager
+            self.pending = PrefixAwareQueue(
+                ready, lambda ids: manager.match(ids).cached_len, lambda: manager.evicted_tokens
+            )
+        else:
+            self.pending = deque(ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self._bar = bar
@@ -143,7 +158,7 @@ class Scheduler:
             return self._fail(
                 req,
                 f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool.num_slots}",
+                f"{engine.pool_tokens}",
             )
         if req.score_from is None and req.params.max_new_tokens == 0:
             req.finish_reason = "length"
@@ -191,7 +206,8 @@ class Scheduler:
             self.pending.popleft()
             req.row = self.manager.open_row(handle)
             req.num_computed = req.cached_tokens = handle.cached_len
-            self.engine.record_prompt(req.prompt_len, handle.cached_len)
+            req.host_cached_tokens = handle.restored_len
+            self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
             end = min(req.prompt_len, req.num_computed + budget)
             items.append((req, req.num_computed, end))
             budget -= end - req.num_computed
@@ -297,9 +313,7 @@ class Scheduler:
             return
         index = torch.cat([torch.arange(s.start, s.stop) for _, s, _ in scored]).to(logits.device)
         targets = torch.from_numpy(np.concatenate([t for _, _, t in scored])).to(logits.device)
-        chosen = logits[index].float()
-        logp = chosen.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
-        greedy = chosen.argmax(-1) == targets
+        logp, greedy = target_logprobs(logits, index, targets)
         logp_host, greedy_host = logp.double().cpu().numpy(), greedy.cpu().numpy()
         offset = 0
         for req, rows, _ in scored:
@@ -309,7 +323,7 @@ class Scheduler:
             offset += n
 
     def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = sample(logits, [r.params for r in reqs], [r.index for r in reqs], self.seeded)
+        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.index for r in reqs])
         tokens = self.engine.sync_sampled(tokens).tolist()  # tensor parallel: the same on every rank
         for req, token in zip(reqs, tokens):
             req.token_ids.append(token)
@@ -322,11 +336,9 @@ class Scheduler:
         params = req.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             return "stop"
-        if params.stop and self.tokenizer is not None:
-            window = max(len(s) for s in params.stop) + 8
-            tail = self.tokenizer.decode(req.generated[-window:], skip_special_tokens=False)
-            if any(s in tail for s in params.stop):
-                return "stop"
+        detector = self.stop_strings
+        if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
+            return "stop"
         if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
             return "length"
         return None
@@ -337,7 +349,9 @@ class Scheduler:
         if req.row is not None:
             self.manager.release_row(req.row, req.token_ids, req.num_computed)
             req.row = None
-        self.seeded.drop(req.index)
+        self.sampler.drop(req.index)
+        if self.stop_strings is not None:
+            self.stop_strings.drop(req.index)
         req.finish_reason, req.error = reason, error
         self._bar.update(1)
 
@@ -379,24 +393,22 @@ class RadixBatchRunner:
         schedule_policy: str = "lpm",
         attn_backend: str | None = None,
         cuda_graph: bool = True,
+        host_cache_tokens: int | None = None,
+        host_cache_gb: float | None = None,
     ):
         options = dict(
             page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
-            attn_backend=attn_backend,
+            attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
         )
         self.engine = get_engine(model, **{k: v for k, v in options.items() if v is not None})
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RunnerStats()
-        self._scheduler = Scheduler(
-            self.engine,
-            _eos_ids(model, tokenizer),
-            tokenizer,
-            max_running_requests,
-            chunked_prefill_size,
-            schedule_policy,
-            cuda_graph,
+        self._scheduler_args = (
+            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
+            schedule_policy, cuda_graph,
         )
+        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
@@ -415,9 +427,17 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self.engine = get_engine(self.model)
+            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
+        with self.engine.lock:  # radix calls of other threads on this engine finish first
+            self._execute_locked(reqs, progress)
+
+    def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
         show = len(reqs) >= 32 if progress is None else progress
         start = time.perf_counter()
-        before = self.engine.stats.prompt_tokens, self.engine.stats.cached_tokens
+        stats = self.engine.stats
+        before = stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens
         try:
             self._scheduler.run(reqs, show)
         finally:
@@ -425,6 +445,7 @@ class RadixBatchRunner:
             self.stats.requests += len(reqs)
             self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
             self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
+            self.stats.host_cached_tokens += self.engine.stats.host_cached_tokens - before[2]
             generated = sum(len(r.generated) for r in reqs if r.score_from is None)
             self.stats.generated_tokens += generated
             self.engine.stats.generated_tokens += generated
@@ -435,10 +456,16 @@ class RadixBatchRunner:
         prompts: Iterable,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         progress: bool | None = None,
+        errors: str = "return",
     ) -> list[RequestOutput]:
-        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order."""
+        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
+
+        A bad request fails alone: its output has `finish_reason="error"` and the message in `error`;
+        `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
+        """
+        check_error_mode(errors)
         token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
             params = [params] * len(token_lists)
         params = list(params)
@@ -446,7 +473,9 @@ class RadixBatchRunner:
             raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
         reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
         self._execute(reqs, progress)
-        return [self._output(r) for r in reqs]
+        outputs = [self._output(r) for r in reqs]
+        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
+        return raise_or_return(outputs, failures, errors, "requests")
 
     def _output(self, req: Req) -> RequestOutput:
         tokens = req.generated
@@ -462,15 +491,21 @@ class RadixBatchRunner:
             token_ids=list(tokens),
             text=text,
             cached_tokens=req.cached_tokens,
+            host_cached_tokens=req.host_cached_tokens,
             finish_reason=req.finish_reason,
             error=req.error,
         )
 
-    def loglikelihood(self, pairs: Iterable, progress: bool | None = None) -> list[tuple[float, bool]]:
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]:
         """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
 
         Contexts shared between pairs are computed once; logits are computed only at continuation positions.
+        A bad pair fails alone: `errors="raise"` raises a `RequestError` (a ValueError carrying every message
+        and the other results) after the others completed; `errors="return"` returns None in its place.
         """
+        check_error_mode(errors)
         pairs = list(pairs)
         contexts = self._tokenize([c for c, _ in pairs])
         continuations = self._tokenize_continuations(pairs)
@@ -482,10 +517,9 @@ class RadixBatchRunner:
                 Scheduler._fail(req, "context and continuation must both be non-empty")
             reqs.append(req)
         self._execute([r for r in reqs if r.finish_reason is None], progress)
-        errors = [r for r in reqs if r.finish_reason == "error"]
-        if errors:
-            raise ValueError(f"{len(errors)} scoring requests failed; first: {errors[0].error}")
-        return [(r.logprob, r.greedy_match) for r in reqs]
+        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
+        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
+        return raise_or_return(results, failures, errors, "scoring requests")
 
     def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
         """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
@@ -508,3 +542,20 @@ class RadixBatchRunner:
     def reset_cache(self) -> None:
         """Drops every cached prefix."""
         self.engine.reset_cache()
+
+    def save_cache(self, path) -> dict:
+        """Writes the prefix cache (tree + K/V of its pages) to a safetensors file; refused while running.
+
+        Returns {"tokens", "bytes", "seconds", "gb_per_s"}.
+        """
+        from .cache_io import save_cache
+
+        return save_cache(self.engine, path)
+
+    def load_cache(self, path) -> dict:
+        """Adds the prefixes of a file written by `save_cache` (same model, dtype and page size), most
+        recently used first while free pages last; a mismatched or damaged file raises CacheFileError
+        and changes nothing."""
+        from .cache_io import load_cache
+
+        return load_cache(self.engine, path)

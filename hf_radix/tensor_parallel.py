@@ -14,6 +14,7 @@ import torch
 from transformers.utils import logging
 
 from .distributed import broadcast_from_first
+from .errors import UnsupportedModelError
 from .kv_pool import KVShape
 
 logger = logging.get_logger(__name__)
@@ -36,11 +37,17 @@ def _local_rows(weight: torch.Tensor) -> int:
     return local.shape[0]
 
 
-def local_kv_shape(model: torch.nn.Module) -> KVShape:
-    """The model's K/V geometry on this rank: the KV heads of this rank's shard under tensor parallel."""
-    shape = KVShape.from_config(model.config)
+def local_kv_shape(model: torch.nn.Module, shape: KVShape) -> KVShape:
+    """The model's K/V geometry `shape` on this rank: the KV heads of this rank's shard under tensor
+    parallel. MLA latent pools (one latent "head" every rank would hold whole) are refused there."""
     if tp_group(model) is None:
         return shape
+    if shape.latent:
+        raise UnsupportedModelError(
+            type(model).__name__,
+            "its MLA layers cache compressed latents, which hf_radix does not shard under tensor parallel "
+            "(run it unsharded, with device_map, or one replica per GPU with DataParallelRunner)",
+        )
     heads = set()
     for module in model.modules():
         k_proj = getattr(module, "k_proj", None)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment (CPU torch) and runs the built-in demo on a tiny random-weight model.
+# Sets up a virtual environment (CPU torch), installs hf_radix into it (a regular, non-editable install)
+# and runs the demo: plain generate and hf_radix side by side on a tiny random-weight model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-"$PY" -m pip install -q -e .
+"$PY" -m pip install -qq .
 "$PY" -m hf_radix.demo "$@"

@@ -13,7 +13,7 @@ from conftest import random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix import RadixBatchRunner, RequestError, SamplingParams
 from hf_radix.routing import CacheAwareRouter
 from hf_radix.tiny import tiny_model
 
@@ -59,24 +59,30 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -
         scores = runner.loglikelihood(pairs)
         rolling = runner.loglikelihood_rolling(prompts[:2])
         runner.check_integrity()
-        errors = []
+        replicas = runner.replica_stats  # before the calls below, which score more pairs
+        stats = [runner.stats.prompt_tokens, runner.stats.cached_tokens, runner.stats.requests]
+        errors, kept = [], None
         try:  # ranks given different inputs: refused on every rank, before any forward
             runner.run([[5 + rank, 6, 7]], _params())
         except ValueError as exc:
             errors.append(str(exc))
-        try:  # a replica's exception reaches every rank
-            runner.loglikelihood([([5, 6], [])])
-        except ValueError as exc:
+        try:  # a bad pair fails alone, reported on every rank (the error policy of one replica)
+            runner.loglikelihood([pairs[0], ([5, 6], []), pairs[1]])
+        except RequestError as exc:
             errors.append(str(exc))
+            kept = [exc.results[0], exc.results[2]]
+        returned = runner.loglikelihood([pairs[0], ([5, 6], [])], errors="return")
         runner.check_integrity()
         result = {
             "outs": _summary(outs),
             "scores": scores,
             "rolling": rolling,
             "routes": routes,
-            "replicas": runner.replica_stats,
-            "stats": [runner.stats.prompt_tokens, runner.stats.cached_tokens, runner.stats.requests],
+            "replicas": replicas,
+            "stats": stats,
             "errors": errors,
+            "kept": kept,
+            "returned": returned,
         }
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
@@ -109,7 +115,10 @@ def check_two_replicas(tmp_path, backend: str) -> None:
         assert [greedy for _, greedy in result["scores"]] == [greedy for _, greedy in scores]
         assert result["rolling"] == pytest.approx(rolling, abs=1e-4)
         assert result["errors"][0].startswith("DataParallelRunner: the ranks were given different inputs")
-        assert "context and continuation must both be non-empty" in result["errors"][1]
+        assert "(index 1): context and continuation must both be non-empty" in result["errors"][1]
+        assert [lp for lp, _ in result["kept"]] == pytest.approx([lp for lp, _ in scores[:2]], abs=1e-5)
+        assert result["returned"][1] is None
+        assert result["returned"][0][0] == pytest.approx(scores[0][0], abs=1e-5)
     assert ranks[0]["replicas"] == ranks[1]["replicas"] and ranks[0]["stats"] == ranks[1]["stats"]
 
     routes = ranks[0]["routes"]

@@ -110,3 +110,33 @@ def _hf_greedy_radix(model, prompt: list[int], new: int) -> list[int]:
             cache_implementation="radix",
         )
     return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("name", ["GptOss", "DeepseekV3", "Llama", "Gemma2", "Qwen2"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_matrix_families_exact_with_triton_on_gpu(name: str, page_size: int):
+    """Attention sinks (GptOss) and MLA latents (DeepseekV3) through the Triton kernels, fp32 on the GPU,
+    against plain transformers: runner greedy, generate tokens and step logits, log-likelihoods."""
+    from model_matrix import check_architecture
+
+    result = check_architecture(name, page_size=page_size, attn_backend="triton", device="cuda",
+                                logit_tol=1e-4, logprob_tol=5e-4)
+    assert result["status"] == "exact", result
+    print(name, page_size, result)
+
+
+def test_graphs_made_inside_inference_mode_replay_outside_it():
+    """The runner captures (and makes the shared extend graphs' buffers) inside inference_mode; a later
+    generate (no_grad) and a runner call with gradients enabled still replay them."""
+    model = tiny_model("llama").cuda()
+    runner = RadixBatchRunner(model, max_total_tokens=4096, attn_backend="triton")
+    prompt = random_ids(torch.Generator().manual_seed(4), 20)
+    want = _hf_greedy(model, prompt, 5)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    with torch.inference_mode():
+        assert runner.run([prompt], params)[0].token_ids == want
+    out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=5, do_sample=False,
+                         pad_token_id=0, eos_token_id=None, cache_implementation="radix")
+    assert out[0, len(prompt):].tolist() == want
+    assert runner.run([prompt], params)[0].token_ids == want
+    runner.check_integrity()

@@ -25,11 +25,21 @@ from interpreter import assert_check_passed, interpreter_report, report_checks
 
 
 def make_pool(num_slots: int, hkv: int, d: int, dtype: torch.dtype, device: str | torch.device,
-              gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pool tensor ``[2, num_slots, hkv, d]`` -> (k_cache, v_cache) views, random contents."""
-    pool = torch.randn((2, num_slots, hkv, d), generator=gen, dtype=torch.float32)
-    pool = pool.to(dtype=dtype, device=device)
-    return pool[0], pool[1]
+              gen: torch.Generator, dv: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache ``[num_slots, hkv, d]``, v_cache ``[num_slots, hkv, dv]``), random contents; with equal
+    head sizes, views of one ``[2, num_slots, hkv, d]`` tensor."""
+    if dv is None or dv == d:
+        pool = torch.randn((2, num_slots, hkv, d), generator=gen, dtype=torch.float32)
+        pool = pool.to(dtype=dtype, device=device)
+        return pool[0], pool[1]
+    k = torch.randn((num_slots, hkv, d), generator=gen).to(dtype=dtype, device=device)
+    v = torch.randn((num_slots, hkv, dv), generator=gen).to(dtype=dtype, device=device)
+    return k, v
+
+
+def _sinks(hq: int, gen: torch.Generator, device: str | torch.device, wanted: bool) -> torch.Tensor | None:
+    """Attention-sink logits per query head (gpt-oss), large enough to take real softmax mass."""
+    return (2.0 * torch.randn(hq, generator=gen)).to(device) if wanted else None
 
 
 def alloc_slots(total_tokens: list[int], page_size: int, gen: torch.Generator,
@@ -49,16 +59,20 @@ def alloc_slots(total_tokens: list[int], page_size: int, gen: torch.Generator,
 
 def make_extend_case(rows: list[tuple[int, int]], hq: int, hkv: int, d: int, page_size: int = 1,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                     index_dtype: torch.dtype = torch.int32) -> dict[str, Any]:
-    """rows: list of (prefix_len, new_len). New tokens' K/V are also written into the pool."""
+                     index_dtype: torch.dtype = torch.int32, dv: int | None = None,
+                     sinks: bool = False) -> dict[str, Any]:
+    """rows: list of (prefix_len, new_len). New tokens' K/V are also written into the pool.
+
+    ``dv``: V head size (default ``d``; MLA has V narrower than K). ``sinks``: random attention sinks."""
     gen = torch.Generator().manual_seed(seed)
+    dv = dv or d
     totals = [p + n for p, n in rows]
     slots, num_slots = alloc_slots(totals, page_size, gen)
-    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen)
+    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen, dv)
     t = sum(n for _, n in rows)
     q = torch.randn((t, hq, d), generator=gen).to(dtype=dtype, device=device)
     k_new = torch.randn((t, hkv, d), generator=gen).to(dtype=dtype, device=device)
-    v_new = torch.randn((t, hkv, d), generator=gen).to(dtype=dtype, device=device)
+    v_new = torch.randn((t, hkv, dv), generator=gen).to(dtype=dtype, device=device)
     new_slots = torch.cat([s[p:] for s, (p, _) in zip(slots, rows, strict=True)]).to(device)
     k_cache[new_slots] = k_new
     v_cache[new_slots] = v_new
@@ -73,27 +87,30 @@ def make_extend_case(rows: list[tuple[int, int]], hq: int, hkv: int, d: int, pag
         "qo_indptr": qo_indptr.to(device), "prefix_lens": prefix_lens.to(device),
         "prefix_kv_indices": prefix_kv_indices.to(dtype=index_dtype, device=device),
         "prefix_kv_indptr": prefix_kv_indptr.to(device),
-        "rows": rows, "slots": slots,
+        "rows": rows, "slots": slots, "sinks": _sinks(hq, gen, device, sinks),
     }
 
 
 def make_decode_case(seq_lens: list[int], hq: int, hkv: int, d: int, page_size: int = 1,
                      dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
-                     index_dtype: torch.dtype = torch.int32) -> dict[str, Any]:
+                     index_dtype: torch.dtype = torch.int32, dv: int | None = None,
+                     sinks: bool = False) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     slots, num_slots = alloc_slots(seq_lens, page_size, gen)
-    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen)
+    k_cache, v_cache = make_pool(num_slots, hkv, d, dtype, device, gen, dv)
     q = torch.randn((len(seq_lens), hq, d), generator=gen).to(dtype=dtype, device=device)
     kv_indptr = torch.tensor([0] + list(torch.cumsum(torch.tensor(seq_lens), 0).tolist()), dtype=torch.int32)
     kv_indices = torch.cat(slots + [torch.zeros(0, dtype=torch.int64)])
     return {"q": q, "k_cache": k_cache, "v_cache": v_cache,
             "kv_indices": kv_indices.to(dtype=index_dtype, device=device), "kv_indptr": kv_indptr.to(device),
-            "seq_lens": seq_lens, "slots": slots}
+            "seq_lens": seq_lens, "slots": slots, "sinks": _sinks(hq, gen, device, sinks)}
 
 
 def ref_attention_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scaling: float,
-                      sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """float64 reference for one row. q [n, Hq, D], k/v [L, Hkv, D] (positions 0..L-1), q_pos [n]."""
+                      sliding_window: int | None, softcap: float | None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 reference for one row. q [n, Hq, D], k [L, Hkv, D], v [L, Hkv, Dv] (positions 0..L-1),
+    q_pos [n]; sinks [Hq]: one extra softmax logit per head whose value is zero."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -106,7 +123,11 @@ def ref_attention_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     if sliding_window is not None and sliding_window > 0:
         keep &= (q_pos[:, None] - kpos[None, :]) < sliding_window
     s = s.masked_fill(~keep[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
+    if sinks is not None:
+        sink = sinks.double().cpu()[:, None, None].expand(-1, s.shape[1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
     return torch.einsum("hqk,khd->qhd", p, v)
 
 
@@ -120,11 +141,12 @@ def ref_extend(case: dict[str, Any], scaling: float, sliding_window: int | None 
             continue
         qpos = torch.arange(p, p + n)
         outs.append(
-            ref_attention_row(q[t0:t0 + n], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap)
+            ref_attention_row(q[t0:t0 + n], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap,
+                              case.get("sinks"))
         )
         t0 += n
     if not outs:
-        return torch.zeros(q.shape, dtype=torch.float64)
+        return torch.zeros((*q.shape[:2], vc.shape[-1]), dtype=torch.float64)
     return torch.cat(outs)
 
 
@@ -136,7 +158,8 @@ def ref_decode(case: dict[str, Any], scaling: float, sliding_window: int | None 
     for i, (n, slots) in enumerate(zip(case["seq_lens"], case["slots"], strict=True)):
         qpos = torch.tensor([n - 1])
         outs.append(
-            ref_attention_row(q[i:i + 1], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap)
+            ref_attention_row(q[i:i + 1], kc[slots], vc[slots], qpos, scaling, sliding_window, softcap,
+                              case.get("sinks"))
         )
     return torch.cat(outs)
 
@@ -146,14 +169,15 @@ def run_extend(case: dict[str, Any], scaling: float, **kw: Any) -> torch.Tensor:
 
     return extend_attention(case["q"], case["k_new"], case["v_new"], case["k_cache"], case["v_cache"],
                             case["qo_indptr"], case["prefix_lens"], case["prefix_kv_indices"],
-                            case["prefix_kv_indptr"], scaling, **kw)
+                            case["prefix_kv_indptr"], scaling, sinks=case.get("sinks"), **kw)
 
 
 def run_decode(case: dict[str, Any], scaling: float, **kw: Any) -> torch.Tensor:
     from hf_radix.kernels.triton_attention import decode_attention
 
     return decode_attention(
-        case["q"], case["k_cache"], case["v_cache"], case["kv_indices"], case["kv_indptr"], scaling, **kw
+        case["q"], case["k_cache"], case["v_cache"], case["kv_indices"], case["kv_indptr"], scaling,
+        sinks=case.get("sinks"), **kw
     )
 
 
@@ -211,6 +235,22 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "decode_one_split_fp16": ("decode", dict(seq_lens=[40, 2], hq=2, hkv=1, d=16, dtype=torch.float16),
                               dict(num_kv_splits=1, max_kv_len=40)),
     "decode_many_splits": ("decode", dict(seq_lens=[20, 3], hq=2, hkv=2, d=16), dict(num_kv_splits=8)),
+    # attention sinks (gpt-oss): in the direct epilogue and, once, in the merge of splits
+    "extend_sinks": ("extend", dict(rows=[(21, 18), (0, 17), (5, 2)], hq=4, hkv=2, d=16, page_size=2,
+                                    sinks=True), dict(sliding_window=9)),
+    "extend_sinks_splits": ("extend", dict(rows=[(40, 5), (0, 3), (19, 20)], hq=4, hkv=2, d=16, sinks=True),
+                            dict(num_splits=3)),
+    "decode_sinks": ("decode", dict(seq_lens=[1, 37, 16], hq=4, hkv=2, d=16, page_size=4, sinks=True),
+                     dict(num_kv_splits=1, max_kv_len=37, sliding_window=9)),
+    "decode_sinks_splits": ("decode", dict(seq_lens=[1, 37, 70], hq=4, hkv=2, d=16, sinks=True),
+                            dict(num_kv_splits=3)),
+    # MLA-style K and V head sizes (K wider; neither a power of two)
+    "extend_mla": ("extend", dict(rows=[(21, 18), (0, 5), (7, 0)], hq=4, hkv=4, d=24, dv=8, page_size=2), {}),
+    "extend_mla_splits_pack": ("extend", dict(rows=[(45, 6), (3, 17)], hq=4, hkv=2, d=24, dv=12),
+                               dict(num_splits=2, pack_gqa=True)),
+    "decode_mla": ("decode", dict(seq_lens=[33, 5], hq=4, hkv=4, d=24, dv=8), dict(num_kv_splits=1)),
+    "decode_mla_splits_sinks": ("decode", dict(seq_lens=[33, 70], hq=4, hkv=1, d=24, dv=12, sinks=True),
+                                dict(num_kv_splits=3)),
 }
 
 
@@ -240,7 +280,8 @@ def _run_case(name: str) -> dict[str, Any]:
         ref = ref_decode(case, scaling, kkw.get("sliding_window"), kkw.get("softcap"))
     err = rel_err(out, ref) if ref.numel() else 0.0
     dtype = bkw.get("dtype", torch.float32)
-    ok = out.shape == case["q"].shape and out.dtype == case["q"].dtype and bool(torch.isfinite(out).all())
+    want_shape = (*case["q"].shape[:2], case["v_cache"].shape[-1])
+    ok = tuple(out.shape) == want_shape and out.dtype == case["q"].dtype and bool(torch.isfinite(out).all())
     ok = ok and err <= _tol(dtype)
     return {"ok": ok, "err": err, "tol": _tol(dtype), "secs": round(time.time() - t0, 2)}
 
@@ -336,6 +377,19 @@ def test_store_kv_torch_exact(dtype: torch.dtype, index_dtype: torch.dtype) -> N
     # "auto" on CPU uses the torch path.
     store_kv(k_cache, v_cache, loc, k * 2, v * 2, backend="auto")
     assert torch.equal(k_cache[loc.long()], k * 2)
+
+
+def test_store_kv_torch_separate_k_and_v_sizes() -> None:
+    """MLA pools: K rows and V rows of different sizes (latent + rotary key, or expanded K wider than V)."""
+    from hf_radix.kernels.store import store_kv
+
+    k_cache, v_cache = torch.zeros((32, 1, 16)), torch.zeros((32, 1, 8))
+    k, v = torch.randn((5, 1, 16)), torch.randn((5, 1, 8))
+    loc = torch.tensor([31, 0, 4, 9, 2])
+    store_kv(k_cache, v_cache, loc, k, v, backend="auto")
+    assert torch.equal(k_cache[loc], k) and torch.equal(v_cache[loc], v)
+    with pytest.raises(ValueError, match="v must be"):
+        store_kv(k_cache, v_cache, loc, k, torch.randn((5, 1, 16)))
 
 
 def test_store_kv_checks() -> None:

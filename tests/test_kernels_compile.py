@@ -26,19 +26,25 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num
 
 
 @pytest.mark.parametrize(
-    "window,softcap,head_dim,direct,pack",
-    [(False, False, 128, True, False), (False, False, 128, False, True), (True, True, 96, False, True)],
+    "window,softcap,head_dim,head_dim_v,direct,pack,sinks",
+    [
+        (False, False, 128, 128, True, False, False),
+        (False, False, 128, 128, False, True, False),
+        (True, True, 96, 96, False, True, True),
+        (False, False, 128, 64, True, False, False),  # MLA-style: V narrower than K
+    ],
 )
 def test_extend_kernel_compiles_for_sm90(
-    window: bool, softcap: bool, head_dim: int, direct: bool, pack: bool
+    window: bool, softcap: bool, head_dim: int, head_dim_v: int, direct: bool, pack: bool, sinks: bool
 ) -> None:
     pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
     pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
-    pointers.update(prefix_kv_indices="*i64", Mid_o="*fp32", Mid_lse="*fp32")
+    pointers.update(prefix_kv_indices="*i64", Mid_o="*fp32", Mid_lse="*fp32", Sinks="*fp32")
     pointers.update(qk_scale="fp32", cap_scale="fp32")
     constexprs = dict(
-        GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window,
-        SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack, DOT_PREC="tf32",
+        GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, HEAD_DIM_V=head_dim_v, BLOCK_DV=max(64, head_dim_v),
+        BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
+        HAS_SINKS=sinks, DOT_PREC="tf32",
     )
     kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
@@ -47,17 +53,18 @@ def test_extend_kernel_compiles_for_sm90(
 @pytest.mark.parametrize("direct", [True, False])
 def test_decode_kernels_compile_for_sm90(direct: bool):
     pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
-    pointers.update(kv_indices="*i64", kv_indptr="*i32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
-                    cap_scale="fp32")
+    pointers.update(kv_indices="*i64", kv_indptr="*i32", Mid_o="*fp32", Mid_lse="*fp32", Sinks="*fp32",
+                    qk_scale="fp32", cap_scale="fp32")
     constexprs = dict(
-        GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_H=16, BLOCK_N=64, USE_WINDOW=False,
-        SOFTCAP=False, DIRECT=direct, DOT_PREC="tf32",
+        GROUP=4, HEAD_BLOCKS=1, HEAD_DIM=128, BLOCK_D=128, HEAD_DIM_V=128, BLOCK_DV=128, BLOCK_H=16,
+        BLOCK_N=64, USE_WINDOW=False, SOFTCAP=False, DIRECT=direct, HAS_SINKS=not direct, DOT_PREC="tf32",
     )
     stage1 = _compile(triton_decode._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
     assert stage1.asm["cubin"]
     reduce = _compile(
-        triton_attention_common._merge_splits_kernel, {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16"},
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4, num_stages=1,
+        triton_attention_common._merge_splits_kernel,
+        {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Sinks": "*fp32"},
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, HAS_SINKS=True), num_warps=4, num_stages=1,
     )
     assert reduce.asm["cubin"]
 

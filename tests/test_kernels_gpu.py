@@ -101,6 +101,77 @@ def test_decode_bf16(name: str, kw: dict[str, Any]) -> None:
     assert err <= REL_TOL_BF16
 
 
+# gpt-oss attention sinks (64 query heads over 8 KV heads, head 64, 128-token windows) and DeepSeek-V3 MLA
+# as transformers expands it (128 heads, K 192 = nope 128 + rope 64, V 128), bf16 and fp32.
+SINK_EXTEND = dict(rows=[(0, 300), (2048, 129), (700, 1), (37, 0)], hq=64, hkv=8, d=64, page_size=16,
+                   sinks=True)
+SINK_DECODE = dict(seq_lens=[1, 130, 4000, 777], hq=64, hkv=8, d=64, page_size=16, sinks=True)
+MLA_EXTEND = dict(rows=[(0, 200), (1500, 64), (300, 1)], hq=128, hkv=128, d=192, dv=128, page_size=1)
+MLA_DECODE = dict(seq_lens=[1, 300, 3000], hq=128, hkv=128, d=192, dv=128, page_size=1)
+SPECIAL_KW = [dict(), dict(sliding_window=128), dict(sliding_window=128, splits=5), dict(splits=7)]
+
+
+def _kw_id(kw: dict[str, Any]) -> str:
+    return "-".join(f"{k}{v}" for k, v in kw.items()) or "plain"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["sinks", "mla"])
+@pytest.mark.parametrize("kw", SPECIAL_KW, ids=_kw_id)
+def test_sinks_and_mla_extend(kind: str, dtype: torch.dtype, kw: dict[str, Any]) -> None:
+    spec = SINK_EXTEND if kind == "sinks" else MLA_EXTEND
+    if kind == "mla" and "sliding_window" in kw:
+        pytest.skip("DeepSeek-V3 has no sliding window")
+    case = H.make_extend_case(**spec, dtype=dtype, device="cuda", seed=5)
+    scaling = spec["d"] ** -0.5
+    kw = dict(kw)
+    splits = kw.pop("splits", None)
+    out = H.run_extend(case, scaling, max_new_len=max(n for _, n in spec["rows"]), num_splits=splits, **kw)
+    err = H.rel_err(out, H.ref_extend(case, scaling, kw.get("sliding_window")))
+    print(f"extend {kind} {dtype} {kw} splits={splits}: rel err {err:.2e}")
+    assert out.shape == (*case["q"].shape[:2], spec.get("dv", spec["d"])) and torch.isfinite(out).all()
+    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["sinks", "mla"])
+@pytest.mark.parametrize("kw", SPECIAL_KW, ids=_kw_id)
+def test_sinks_and_mla_decode(kind: str, dtype: torch.dtype, kw: dict[str, Any]) -> None:
+    spec = SINK_DECODE if kind == "sinks" else MLA_DECODE
+    if kind == "mla" and "sliding_window" in kw:
+        pytest.skip("DeepSeek-V3 has no sliding window")
+    case = H.make_decode_case(**spec, dtype=dtype, device="cuda", seed=6)
+    scaling = spec["d"] ** -0.5
+    kw = dict(kw)
+    splits = kw.pop("splits", None)
+    out = H.run_decode(case, scaling, num_kv_splits=splits, **kw)
+    err = H.rel_err(out, H.ref_decode(case, scaling, kw.get("sliding_window")))
+    print(f"decode {kind} {dtype} {kw} splits={splits}: rel err {err:.2e}")
+    assert out.shape == (*case["q"].shape[:2], spec.get("dv", spec["d"])) and torch.isfinite(out).all()
+    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kv_cuda_mla_latents(dtype: torch.dtype) -> None:
+    """DeepSeek-V3's latent pool: K rows 512 wide (compressed K/V), V rows 64 wide (rotary key)."""
+    from hf_radix.kernels.store import cuda_store_available, store_kv
+
+    if not cuda_store_available():
+        pytest.skip("CUDA store kernel unavailable (nvcc?)")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k_cache = torch.zeros((4096, 1, 512), dtype=dtype, device="cuda")
+    v_cache = torch.zeros((4096, 1, 64), dtype=dtype, device="cuda")
+    k = torch.randn((1, 700, 512), device="cuda", generator=gen).to(dtype).transpose(0, 1)  # HF [1, T, D]
+    v = torch.randn((1, 700, 64), device="cuda", generator=gen).to(dtype).transpose(0, 1)
+    loc = torch.randperm(4096, device="cuda", generator=gen)[:700]
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    store_kv(k_cache, v_cache, loc, k, v, backend="cuda")
+    store_kv(ref_k, ref_v, loc, k, v, backend="torch")
+    torch.cuda.synchronize()
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+
+
 def test_fp32_and_fp16_on_gpu() -> None:
     case = H.make_extend_case(
         [(100, 70), (0, 20)], hq=4, hkv=2, d=64, page_size=4, dtype=torch.float32, device="cuda"

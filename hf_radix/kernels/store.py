@@ -117,7 +117,8 @@ def _lib_path(arch: str, nvcc: str) -> Path:
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     fn = lib.hf_radix_store_kv
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int, ctypes.c_int64]
+    fn.argtypes += [ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int64]  # K, V: segments, bytes
     fn.argtypes += [ctypes.POINTER(ctypes.c_int64), ctypes.c_int, ctypes.c_void_p]
     fn.restype = ctypes.c_int
     lib.hf_radix_store_error_string.argtypes = [ctypes.c_int]
@@ -219,16 +220,12 @@ def _check(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, 
         devs = sorted({str(t.device) for t in (k_cache, v_cache, k, v, out_loc)})
         raise ValueError(f"all tensors must be on one device, got {devs}")
     n = out_loc.shape[0]
-    if k_cache.shape[1:] != v_cache.shape[1:] or k.shape != v.shape:
-        raise ValueError(
-            f"shape mismatch: k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
-    if k.dim() < 1 or k.shape[0] != n or k.shape[1:] != k_cache.shape[1:]:
-        raise ValueError(
-            f"shape mismatch: k/v must be [{n}, {', '.join(map(str, k_cache.shape[1:]))}] "
-            f"(out_loc has {n} entries), got {tuple(k.shape)}"
-        )
+    for name, x, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        if x.dim() < 1 or x.shape[0] != n or x.shape[1:] != cache.shape[1:]:
+            raise ValueError(
+                f"shape mismatch: {name} must be [{n}, {', '.join(map(str, cache.shape[1:]))}] "
+                f"(out_loc has {n} entries), got {tuple(x.shape)}"
+            )
 
 
 def _store_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor, k: torch.Tensor,
@@ -242,7 +239,7 @@ def _store_cuda(lib: ctypes.CDLL, dev: int, k_cache: torch.Tensor, v_cache: torc
                 out_loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segs: list[tuple[int, int, int]]) -> None:
     es = k.element_size()
-    num_segs, seg_elems, _ = segs[0]
+    (k_segs, k_elems, _), (v_segs, v_elems, _) = segs[0], segs[1]
     strides = (ctypes.c_int64 * 8)(
         k.stride(0) * es, segs[0][2] * es, k_cache.stride(0) * es, segs[2][2] * es,
         v.stride(0) * es, segs[1][2] * es, v_cache.stride(0) * es, segs[3][2] * es,
@@ -251,7 +248,8 @@ def _store_cuda(lib: ctypes.CDLL, dev: int, k_cache: torch.Tensor, v_cache: torc
     stream = torch.cuda.current_stream(dev).cuda_stream
     err = lib.hf_radix_store_kv(
         k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out_loc.data_ptr(),
-        int(out_loc.dtype == torch.int64), k.shape[0], num_segs, seg_elems * es, strides, dev, stream,
+        int(out_loc.dtype == torch.int64), k.shape[0], k_segs, k_elems * es, v_segs, v_elems * es, strides,
+        dev, stream,
     )
     if err != 0:
         msg = lib.hf_radix_store_error_string(err).decode(errors="replace")
@@ -270,7 +268,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
 
     k_cache/v_cache ``[num_slots, *row]``, k/v ``[T, *row]`` of the same dtype, out_loc int32/int64 ``[T]``.
     The CUDA kernel needs each row to be equally strided segments with a contiguous last dim, e.g.
-    ``[T, Hkv, D]`` with any token and head strides (a transposed ``[Hkv, T, D]`` works).
+    ``[T, Hkv, D]`` with any token and head strides (a transposed ``[Hkv, T, D]`` works). K and V rows may
+    differ in size (MLA).
     backend: ``"auto"`` | ``"cuda"`` | ``"torch"``.
     """
     if backend not in ("auto", "cuda", "torch"):
@@ -290,7 +289,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, out_loc: torch.Tensor
     segs = [_segments(t) for t in (k, v, k_cache, v_cache)]
     if any(sg is None for sg in segs):
         reason = "the rows of k / v / k_cache / v_cache are not strided segments with a contiguous last dim"
-    elif len({(sg[0], sg[1]) for sg in segs}) != 1:
+    elif segs[0][:2] != segs[2][:2] or segs[1][:2] != segs[3][:2]:
         reason = f"inconsistent row layouts {segs}"
     else:
         dev = k.device.index if k.device.index is not None else torch.cuda.current_device()

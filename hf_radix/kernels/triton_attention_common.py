@@ -39,36 +39,37 @@ def _scores(q, kt, qk_scale, cap_scale, SOFTCAP: tl.constexpr, DOT_PREC: tl.cons
 
 
 @triton.jit
-def _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
-    """Loads a K and a V tile; rows outside ``n_mask`` (if MASKED) and columns outside ``d_mask`` read 0."""
+def _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, dv_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+    """Loads a K and a V tile; rows outside ``n_mask`` (if MASKED) and columns outside ``d_mask`` (K) /
+    ``dv_mask`` (V) read 0. EVEN_D: both head sizes are their block sizes."""
     if MASKED:
         if EVEN_D:
             k = tl.load(k_ptrs, mask=n_mask[:, None], other=0.0)
             v = tl.load(v_ptrs, mask=n_mask[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_mask[:, None] & dv_mask[None, :], other=0.0)
     else:
         if EVEN_D:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_mask[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_mask[None, :], other=0.0)
     return k, v
 
 
 @triton.jit
 def _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch, stride_vct,
-                   stride_vch, offs_d, d_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
+                   stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED: tl.constexpr, EVEN_D: tl.constexpr):
     """Loads the K and V tiles of context positions ``pos`` through the slot array (the page table)."""
     if MASKED:
         slots = tl.load(kv_idx_ptr + pos, mask=n_mask, other=0).to(tl.int64)
     else:
         slots = tl.load(kv_idx_ptr + pos).to(tl.int64)
     k_ptrs = K_cache + slots[:, None] * stride_kct + kvh * stride_kch + offs_d[None, :]
-    v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_d[None, :]
-    return _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+    v_ptrs = V_cache + slots[:, None] * stride_vct + kvh * stride_vch + offs_dv[None, :]
+    return _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, dv_mask, MASKED, EVEN_D)
 
 
 @triton.jit
@@ -83,10 +84,22 @@ def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS: tl.constexpr):
+    """Normalized output rows; with sinks (log2 units, one per query head) each row's softmax denominator
+    also holds ``exp(sink)``, a key that contributes no value."""
+    if HAS_SINKS:
+        sink = tl.load(Sinks + heads, mask=h_mask, other=float("-inf"))
+        m = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m)
+        return acc * (alpha / (l_i * alpha + tl.exp2(sink - m)))[:, None]
+    return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
 def _merge_splits_kernel(
-    Mid_o, Mid_lse, Out, num_splits,
+    Mid_o, Mid_lse, Out, Sinks, num_splits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     row = tl.program_id(0)
     head = tl.program_id(1)
@@ -97,9 +110,14 @@ def _merge_splits_kernel(
     lse = tl.load(Mid_lse + row.to(tl.int64) * stride_lb + head * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(Sinks + head)
+        m = tl.maximum(m, sink)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m)
     denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
     o_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms
               + offs_d[None, :])
     parts = tl.load(o_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
@@ -162,12 +180,13 @@ def _launch(kind: str, kernel: Any, grid: Any, cfg: dict[str, int], safe: dict[s
     kernel[grid](*args, **kwargs, **safe)
 
 
-def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, K head size, V head size); K may be wider than V (MLA)."""
     if q.dim() != 3 or k_cache.dim() != 3 or v_cache.dim() != 3:
         raise ValueError("q, k_cache, v_cache must be 3-D ([tokens|slots, heads, head_dim])")
     _, hq, d = q.shape
     hkv = k_cache.shape[1]
-    if k_cache.shape[1:] != v_cache.shape[1:] or k_cache.shape[2] != d:
+    if k_cache.shape[:2] != v_cache.shape[:2] or k_cache.shape[2] != d:
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, "
                          f"v_cache {tuple(v_cache.shape)}")
     if hq % hkv != 0:
@@ -176,7 +195,25 @@ def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
         raise ValueError(f"dtype mismatch: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache / v_cache must be contiguous in head_dim")
-    return hq, hkv, d
+    return hq, hkv, d, v_cache.shape[2]
+
+
+def _sinks_log2(sinks: torch.Tensor | None, hq: int, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """Attention-sink logits (one per query head) in log2 units as fp32, or a placeholder."""
+    if sinks is None:
+        return like, False
+    if sinks.shape != (hq,):
+        raise ValueError(f"sinks must have one logit per query head ({hq}), got {tuple(sinks.shape)}")
+    return (sinks.float() * _LOG2E).contiguous(), True
+
+
+def _check_out(out: torch.Tensor | None, q: torch.Tensor, dv: int) -> torch.Tensor:
+    shape = (*q.shape[:2], dv)
+    if out is None:
+        return q.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be {list(shape)} of q's dtype and contiguous in head_dim")
+    return out
 
 
 def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int = 132,
@@ -189,14 +226,16 @@ def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     return int(max(1, min(want, by_len, max_splits)))
 
 
-def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
-    """Combines per-split partial outputs ``[N, Hq, S, D]`` (and their log2-sum-exps) into ``out``."""
+def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
+                  sinks: torch.Tensor, has_sinks: bool) -> None:
+    """Combines per-split partial outputs ``[N, Hq, S, D]`` (and their log2-sum-exps) into ``out``; the
+    sinks (log2 units) join the softmax denominator here, once."""
     n, hq, _, d = mid_o.shape
     block_d = triton.next_power_of_2(d)
     _merge_splits_kernel[(n, hq)](
-        mid_o, mid_lse, out, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_o, mid_lse, out, sinks, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits),
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=has_sinks,
         num_warps=4 if block_d >= 128 else 2,
     )
 

@@ -14,13 +14,16 @@ import triton.language as tl
 from . import interpreting
 from .triton_attention_common import (
     _check_common,
+    _check_out,
     _dot_prec,
+    _finish_rows,
     _last_dim_contig,
     _launch,
     _load_paged_kv,
     _merge_splits,
     _scales,
     _scores,
+    _sinks_log2,
     _sm_count,
     _softmax_update,
     _window,
@@ -42,7 +45,7 @@ _DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 def _decode_loop(
     acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
     kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-    offs_n, offs_d, d_mask,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -51,7 +54,7 @@ def _decode_loop(
         pos = start_n + offs_n
         n_mask = pos < hi
         k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
+                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -61,19 +64,21 @@ def _decode_loop(
 
 @triton.jit
 def _decode_stage1_kernel(
-    Q, K_cache, V_cache, kv_indices, kv_indptr, Mid_o, Mid_lse, Out,
+    Q, K_cache, V_cache, kv_indices, kv_indptr, Mid_o, Mid_lse, Out, Sinks,
     qk_scale, cap_scale, window, num_splits,
     stride_qb, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     row = tl.program_id(0)
     hb = tl.program_id(1)
     split = tl.program_id(2)
     kvh = hb // HEAD_BLOCKS
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
 
     kv_start = tl.load(kv_indptr + row)
     seq_len = tl.load(kv_indptr + row + 1) - kv_start
@@ -91,35 +96,38 @@ def _decode_stage1_kernel(
     heads = kvh * GROUP + offs_h
     h_mask = offs_h < GROUP
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < HEAD_DIM_V
 
     q_ptrs = Q + row.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=h_mask[:, None] & d_mask[None, :], other=0.0)
 
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
     kv_idx_ptr = kv_indices + kv_start
     acc, l_i, m_i = _decode_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full_hi,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-        offs_n, offs_d, d_mask, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     acc, l_i, m_i = _decode_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full_hi, hi,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-        offs_n, offs_d, d_mask, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    st_mask = h_mask[:, None] & d_mask[None, :]
+    st_mask = h_mask[:, None] & dv_mask[None, :]
     if DIRECT:
-        o_ptrs = Out + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        out = _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS)
+        o_ptrs = Out + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         m_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
-                  + offs_d[None, :])
+                  + offs_dv[None, :])
         tl.store(m_ptrs, out, mask=st_mask)
         tl.store(Mid_lse + row.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
 
@@ -149,22 +157,22 @@ def decode_attention(
     num_kv_splits: int | None = None,
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Single-token decode attention over each row's full context (which includes the new token).
 
-    q ``[B, Hq, D]``; kv_indices/kv_indptr: CSR slot lists of each row's context. Returns ``[B, Hq, D]``.
+    q ``[B, Hq, D]``; k_cache ``[slots, Hkv, D]``; v_cache ``[slots, Hkv, Dv]``; kv_indices/kv_indptr: CSR
+    slot lists of each row's context. Returns ``[B, Hq, Dv]``. ``sinks`` ``[Hq]``: attention-sink logits.
     ``num_kv_splits`` defaults to :func:`pick_num_kv_splits`; pass it (or ``max_kv_len``) to avoid a
     device->host sync.
     """
-    hq, hkv, d = _check_common(q, k_cache, v_cache)
+    hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     batch = q.shape[0]
     if kv_indptr.shape[0] != batch + 1:
         raise ValueError("kv_indptr must have B+1 entries")
     q = _last_dim_contig(q)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    out = _check_out(out, q, dv)
+    sinks, has_sinks = _sinks_log2(sinks, hq, out)
     if batch == 0:
         return out
 
@@ -188,20 +196,21 @@ def decode_attention(
         mid_lse = out
         mstrides = (0, 0, 0, 0, 0)
     else:
-        mid_o = torch.empty((batch, hq, num_kv_splits, d), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((batch, hq, num_kv_splits, dv), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((batch, hq, num_kv_splits), dtype=torch.float32, device=q.device)
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     grid = (batch, hkv * head_blocks, num_kv_splits)
     args = (
-        q, k_cache, v_cache, kv_indices, kv_indptr, mid_o, mid_lse, out,
+        q, k_cache, v_cache, kv_indices, kv_indptr, mid_o, mid_lse, out, sinks,
         qk_scale, cap_scale, window, num_kv_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         *mstrides, out.stride(0), out.stride(1),
     )
-    kwargs = dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_H=block_h,
-                  USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
+    kwargs = dict(GROUP=group, HEAD_BLOCKS=head_blocks, HEAD_DIM=d, BLOCK_D=block_d, HEAD_DIM_V=dv,
+                  BLOCK_DV=triton.next_power_of_2(dv), BLOCK_H=block_h, USE_WINDOW=use_window,
+                  SOFTCAP=use_cap, DIRECT=direct, HAS_SINKS=has_sinks, DOT_PREC=_dot_prec(q.dtype))
     _launch("decode", _decode_stage1_kernel, grid, cfg, _DECODE_SAFE_CFG, d, q.dtype, args, kwargs)
     if not direct:
-        _merge_splits(mid_o, mid_lse, out, num_kv_splits)
+        _merge_splits(mid_o, mid_lse, out, num_kv_splits, sinks, has_sinks)
     return out
 

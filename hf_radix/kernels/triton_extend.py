@@ -18,7 +18,9 @@ import triton.language as tl
 from . import interpreting
 from .triton_attention_common import (
     _check_common,
+    _check_out,
     _dot_prec,
+    _finish_rows,
     _last_dim_contig,
     _launch,
     _load_kv,
@@ -26,6 +28,7 @@ from .triton_attention_common import (
     _merge_splits,
     _scales,
     _scores,
+    _sinks_log2,
     _sm_count,
     _softmax_update,
     _window,
@@ -50,7 +53,7 @@ _EXTEND_SAFE_CFG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 
 def _extend_prefix_loop(
     acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, prefix_len, q_pos,
     kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-    offs_n, offs_d, d_mask,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -59,7 +62,7 @@ def _extend_prefix_loop(
         pos = start_n + offs_n
         n_mask = pos < prefix_len
         k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, d_mask, MASKED, EVEN_D)
+                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :]
@@ -74,7 +77,7 @@ def _extend_prefix_loop(
 def _extend_new_loop(
     acc, l_i, m_i, q, K_new, V_new, tok0, lo, hi, new_len, q_rel,
     kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-    offs_n, offs_d, d_mask,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -83,9 +86,9 @@ def _extend_new_loop(
         rel = start_n + offs_n
         tok = (tok0 + rel).to(tl.int64)
         k_ptrs = K_new + tok[:, None] * stride_knt + kvh * stride_knh + offs_d[None, :]
-        v_ptrs = V_new + tok[:, None] * stride_vnt + kvh * stride_vnh + offs_d[None, :]
+        v_ptrs = V_new + tok[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :]
         n_mask = rel < new_len
-        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, MASKED, EVEN_D)
+        k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, dv_mask, MASKED, EVEN_D)
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :] & (rel[None, :] <= q_rel[:, None])
@@ -100,7 +103,7 @@ def _extend_new_loop(
 def _extend_new_tokens(
     acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, q_rel,
     kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-    offs_n, offs_d, d_mask,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -118,26 +121,28 @@ def _extend_new_tokens(
         acc, l_i, m_i = _extend_new_loop(
             acc, l_i, m_i, q, K_new, V_new, tok0, 0, first_tok, new_len, q_rel,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
         lo = first_tok
     acc, l_i, m_i = _extend_new_loop(
         acc, l_i, m_i, q, K_new, V_new, tok0, lo, diag_hi, new_len, q_rel,
         kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-        offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _extend_kernel(
-    Q, K_new, V_new, K_cache, V_cache, Out, Mid_o, Mid_lse,
+    Q, K_new, V_new, K_cache, V_cache, Out, Mid_o, Mid_lse, Sinks,
     qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
     qk_scale, cap_scale, window, num_splits,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # Grid (heads, rows, m_blocks * num_splits). A program computes BLOCK_M query rows: BLOCK_M new tokens
     # of one query head, or with PACK_GQA (few new tokens) BLOCK_M (token, head) pairs of the query heads
@@ -169,18 +174,20 @@ def _extend_kernel(
         return
     prefix_len = tl.load(prefix_lens + row)
     kv_base = tl.load(prefix_kv_indptr + row)
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
 
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     m_mask = tok < new_len
     d_mask = offs_d < HEAD_DIM
+    dv_mask = offs_dv < HEAD_DIM_V
 
     q_tok = (tok0 + tok).to(tl.int64)
     q_ptrs = Q + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # Finite start value so fully masked rows/blocks never produce (-inf) - (-inf).
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
@@ -199,34 +206,36 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_prefix_loop(
             acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, prefix_len, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
         acc, l_i, m_i = _extend_prefix_loop(
             acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, prefix_len, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
         acc, l_i, m_i = _extend_prefix_loop(
             acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, prefix_len, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     if split == num_splits - 1:
         acc, l_i, m_i = _extend_new_tokens(
             acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, tok,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, d_mask, USE_WINDOW, SOFTCAP, EVEN_D, not PACK_GQA, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, not PACK_GQA, BLOCK_N,
+            DOT_PREC)
 
-    has = l_i > 0.0
-    out = acc / tl.where(has, l_i, 1.0)[:, None]
-    st_mask = m_mask[:, None] & d_mask[None, :]
+    st_mask = m_mask[:, None] & dv_mask[None, :]
     if DIRECT:
-        o_ptrs = Out + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
+        o_ptrs = Out + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
+        has = l_i > 0.0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         m_ptrs = (Mid_o + q_tok[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms
-                  + offs_d[None, :])
+                  + offs_dv[None, :])
         tl.store(m_ptrs, out, mask=st_mask)
         tl.store(Mid_lse + q_tok * stride_lt + heads * stride_lh + split, lse, mask=m_mask)
 
@@ -264,22 +273,26 @@ def extend_attention(
     num_splits: int | None = None,
     pack_gqa: bool | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix ++ new tokens) per row.
 
-    q ``[T, Hq, D]``; k_new/v_new ``[T, Hkv, D]``; qo_indptr ``[B+1]``; prefix_lens ``[B]``;
-    prefix_kv_indices/prefix_kv_indptr: CSR slot lists of each row's cached prefix. Returns ``[T, Hq, D]``.
+    q ``[T, Hq, D]``; k_new ``[T, Hkv, D]``; v_new ``[T, Hkv, Dv]`` (V may be narrower than K, as in MLA);
+    qo_indptr ``[B+1]``; prefix_lens ``[B]``; prefix_kv_indices/prefix_kv_indptr: CSR slot lists of each
+    row's cached prefix. Returns ``[T, Hq, Dv]``. ``sinks`` ``[Hq]``: attention-sink logits (gpt-oss), one
+    extra key per head that takes softmax mass and contributes no value.
     Pass ``max_new_len`` (max over rows of new tokens) to avoid a device->host sync. A bound on the
     prefix length (``max_prefix_len``) lets few, short query blocks over long prefixes split each prefix
     into ``num_splits`` chunks run in parallel (default: enough to fill the GPU; without a bound, one).
     ``pack_gqa`` computes the query heads sharing a KV head together (default: for at most
     ``PACK_GQA_MAX_NEW`` new tokens per row, when heads are grouped).
     """
-    hq, hkv, d = _check_common(q, k_cache, v_cache)
+    hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     t = q.shape[0]
-    if k_new.shape != (t, hkv, d) or v_new.shape != (t, hkv, d):
+    if k_new.shape != (t, hkv, d) or v_new.shape != (t, hkv, dv):
         raise ValueError(
-            f"k_new/v_new must be [{t}, {hkv}, {d}], got {tuple(k_new.shape)}, {tuple(v_new.shape)}"
+            f"k_new/v_new must be [{t}, {hkv}, {d}] / [{t}, {hkv}, {dv}], got {tuple(k_new.shape)}, "
+            f"{tuple(v_new.shape)}"
         )
     if k_new.dtype != q.dtype or v_new.dtype != q.dtype:
         raise ValueError("k_new / v_new must have q's dtype")
@@ -287,10 +300,8 @@ def extend_attention(
     if qo_indptr.shape[0] != batch + 1 or prefix_kv_indptr.shape[0] != batch + 1:
         raise ValueError("qo_indptr and prefix_kv_indptr must have B+1 entries (B = len(prefix_lens))")
     q, k_new, v_new = _last_dim_contig(q), _last_dim_contig(k_new), _last_dim_contig(v_new)
-    if out is None:
-        out = torch.empty_like(q)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
-        raise ValueError("out must match q's shape and dtype and be contiguous in head_dim")
+    out = _check_out(out, q, dv)
+    sinks, has_sinks = _sinks_log2(sinks, hq, out)
     if t == 0 or batch == 0:
         return out
     if max_new_len is None:
@@ -319,7 +330,7 @@ def extend_attention(
     if direct:
         mid_o, mid_lse, mstrides = out, out, (0, 0, 0, 0, 0)  # unused placeholders
     else:
-        mid_o = torch.empty((t, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        mid_o = torch.empty((t, hq, num_splits, dv), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
 
@@ -327,17 +338,18 @@ def extend_attention(
         return (heads, batch, triton.cdiv(max_new_len * (group if pack else 1), meta["BLOCK_M"]) * num_splits)
 
     args = (
-        q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse,
+        q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse, sinks,
         qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
         qk_scale, cap_scale, window, num_splits,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), *mstrides,
     )
-    kwargs = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), PACK_GQA=pack,
-                  USE_WINDOW=use_window, SOFTCAP=use_cap, DIRECT=direct, DOT_PREC=_dot_prec(q.dtype))
+    kwargs = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM_V=dv,
+                  BLOCK_DV=triton.next_power_of_2(dv), PACK_GQA=pack, USE_WINDOW=use_window, SOFTCAP=use_cap,
+                  DIRECT=direct, HAS_SINKS=has_sinks, DOT_PREC=_dot_prec(q.dtype))
     _launch("extend", _extend_kernel, grid, cfg, _EXTEND_SAFE_CFG, d, q.dtype, args, kwargs)
     if not direct:
-        _merge_splits(mid_o, mid_lse, out, num_splits)
+        _merge_splits(mid_o, mid_lse, out, num_splits, sinks, has_sinks)
     return out
 

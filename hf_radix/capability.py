@@ -1,0 +1,256 @@
+"""Which models hf_radix runs exactly: the check made when an engine is created, and a run-time guard.
+
+A model runs only if every attention layer goes through transformers' attention interface
+(``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
+the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
+first forward: attention computed by the model itself (Bloom, Falcon: ALiBi), recurrent and hybrid
+models (a running state cannot be shared through a prefix cache), multimodal models (two different
+images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every radix
+forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from .errors import UnsupportedModelError
+from .kv_pool import KVShape
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["ModelSupport", "UnsupportedModelError", "check_model", "check_inputs", "count_attention_call"]
+
+#: Keywords an attention layer may pass to the attention function (besides module, q, k, v, mask).
+HANDLED_ATTENTION_ARGS = frozenset(
+    {"attention_mask", "dropout", "scaling", "sliding_window", "softcap", "s_aux", "is_causal",
+     "position_ids"}
+)
+#: Arguments that change what attention computes and that the radix attention does not implement.
+REFUSED_ATTENTION_KWARGS = (
+    "position_bias", "indices", "block_indices", "sinks", "cu_seq_lens_q", "cu_seq_lens_k",
+)
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+MULTIMODAL_INPUTS = (
+    "pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features",
+    "input_values", "audio_values", "input_audio_embeds", "image_grid_thw", "video_grid_thw",
+)
+MULTIMODAL_CONFIG_KEYS = (
+    "vision_config", "audio_config", "video_config", "speech_config", "vision_tower", "audio_encoder",
+    "image_token_id", "image_token_index", "video_token_id", "audio_token_id", "audio_token_index",
+)
+# Cache calls and state names of state-space and linear-attention layers.
+RECURRENT_MARKERS = (
+    "update_conv_state", "update_recurrent_state", "conv_states", "ssm_states", "cache_params",
+    "recurrent_states", "set_linear_cache",
+)
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """What the check found: the attention layers and the K/V geometry the pool stores per token."""
+
+    model_class: str
+    attention_layers: int
+    kv_shape: KVShape
+
+
+# ---------------------------------------------------------------------------------------- source reading
+
+
+@functools.cache
+def _forward_source(cls: type) -> str | None:
+    try:
+        return textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
+    except (OSError, TypeError):
+        return None
+
+
+@functools.cache
+def _attention_call_keywords(cls: type) -> tuple[str, ...] | None:
+    """Keywords of the attention-interface call in ``cls.forward``; None when it makes no such call.
+
+    The interface is found as a name bound to an expression reading ``ALL_ATTENTION_FUNCTIONS``
+    (``attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(...)``); ``**kwargs`` is passed through.
+    """
+    source = _forward_source(cls)
+    if source is None or "ALL_ATTENTION_FUNCTIONS" not in source:
+        return None
+    tree = ast.parse(source)
+    names = {"attention_interface"}
+    for node in ast.walk(tree):
+        reads_interface = isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None
+        if reads_interface and "ALL_ATTENTION_FUNCTIONS" in ast.unparse(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    keywords: list[str] = []
+    found = False
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names:
+            found = True
+            keywords += [kw.arg for kw in node.keywords if kw.arg is not None]
+    return tuple(keywords) if found else None
+
+
+def _is_torch_class(cls: type) -> bool:
+    return cls.__module__.startswith("torch.")
+
+
+# ---------------------------------------------------------------------------------------- the check
+
+
+def check_model(model: torch.nn.Module) -> ModelSupport:
+    """Raises UnsupportedModelError unless hf_radix can run ``model`` exactly; returns what it found."""
+    name = type(model).__name__
+
+    def refuse(reason: str) -> UnsupportedModelError:
+        return UnsupportedModelError(name, reason)
+
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
+    _check_multimodal(model, refuse)
+    _check_recurrent(model, refuse)
+    if not getattr(model, "_supports_attention_backend", False):
+        raise refuse(
+            "its attention does not go through transformers' attention interface (the model class does "
+            "not declare _supports_attention_backend), so the radix attention would never see its layers"
+        )
+    attention = _attention_layers(model, refuse)
+    return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
+
+
+def _check_recurrent(model: torch.nn.Module, refuse) -> None:
+    """Refuses state-space / linear-attention layers (whole models or hybrids), other layer types."""
+    for cls in dict.fromkeys(type(m) for m in model.modules() if not _is_torch_class(type(m))):
+        source = _forward_source(cls) or ""
+        marker = next((m for m in RECURRENT_MARKERS if m in source), None)
+        if marker is not None:
+            raise refuse(
+                f"{cls.__name__} keeps a recurrent (state-space / linear-attention) state ({marker}); a "
+                "running state cannot be shared through a prefix cache"
+            )
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise refuse(f"it has {', '.join(other)} layers; hf_radix runs full and sliding-window attention")
+
+
+def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
+    """The attention modules, one per decoder layer, each calling the interface with handled arguments."""
+    attention = [m for m in model.modules() if _attention_call_keywords(type(m)) is not None]
+    ids = {id(m) for m in attention}
+    for module in model.modules():
+        cls = type(module)
+        if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and id(module) not in ids:
+            raise refuse(
+                f"{cls.__name__} computes attention itself, not through transformers' attention interface"
+            )
+    for cls in dict.fromkeys(type(m) for m in attention):
+        unknown = sorted(set(_attention_call_keywords(cls)) - HANDLED_ATTENTION_ARGS)
+        if unknown:
+            raise refuse(
+                f"{cls.__name__} passes {', '.join(unknown)} to the attention function, which the radix "
+                "attention does not implement"
+            )
+    for module in attention:
+        if getattr(module, "is_causal", True) is False:
+            raise refuse(f"{type(module).__name__} is not causal")
+    layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    if not attention:
+        raise refuse("it has no attention layer (a recurrent model)")
+    if layers is not None and len(attention) != layers:
+        raise refuse(f"{len(attention)} of its {layers} layers are attention layers (a hybrid model)")
+    if sorted(getattr(m, "layer_idx", -1) for m in attention) != list(range(len(attention))):
+        raise refuse("its attention layers are not numbered 0..N-1 (layer_idx)")
+    return attention
+
+
+def _check_multimodal(model: torch.nn.Module, refuse) -> None:
+    config = model.config
+    keys = [k for k in MULTIMODAL_CONFIG_KEYS if getattr(config, k, None) is not None]
+    sub = [k for k in getattr(config, "sub_configs", {}) if k not in ("text_config", "decoder")]
+    if keys or sub:
+        raise refuse(
+            f"it is multimodal ({', '.join(keys or sub)}); two different images behind the same placeholder "
+            "tokens would share K/V in a prefix cache"
+        )
+    params = inspect.signature(model.forward).parameters
+    inputs = [p for p in MULTIMODAL_INPUTS if p in params]
+    if inputs:
+        raise refuse(f"it takes multimodal inputs ({', '.join(inputs)}), which a token cache cannot key")
+
+
+def _kv_shape(attention: torch.nn.Module, config) -> KVShape:
+    """Per-token pool geometry; MLA layers (``expand_kv``) cache one latent "head": the compressed K/V
+    (``kv_lora_rank`` wide) as K and the shared rotary key (``qk_rope_head_dim``) as V."""
+    text = config.get_text_config(decoder=True)
+    if hasattr(attention, "expand_kv"):
+        rank, rope = attention.kv_lora_rank, attention.qk_rope_head_dim
+        return KVShape(text.num_hidden_layers, 1, rank, rope, latent=True)
+    return KVShape.from_config(config)
+
+
+def check_inputs(model: torch.nn.Module, kwargs: dict) -> None:
+    """Refuses multimodal inputs given to a radix call (UnsupportedModelError)."""
+    given = [k for k in MULTIMODAL_INPUTS if kwargs.get(k) is not None]
+    if given:
+        raise UnsupportedModelError(
+            type(model).__name__,
+            f"multimodal inputs ({', '.join(given)}) cannot be keyed by a token prefix cache",
+        )
+
+
+# ---------------------------------------------------------------------------------------- run-time guard
+
+_calls: ContextVar[list[int] | None] = ContextVar("hf_radix_attention_calls", default=None)
+_GUARD_ATTR = "_hf_radix_attention_guard"
+
+
+def count_attention_call() -> None:
+    """Called by the radix attention once per layer call."""
+    counter = _calls.get()
+    if counter is not None:
+        counter[0] += 1
+
+
+def install_attention_guard(model: torch.nn.Module, support: ModelSupport) -> None:
+    """Hooks the decoder stack so that every forward carrying a RadixCache checks that each of its
+    attention layers called the radix attention exactly once (idempotent)."""
+    from .cache_utils import RadixCache
+
+    stack = model.base_model
+    previous = getattr(stack, _GUARD_ATTR, None)
+    if previous is not None:
+        for handle in previous:
+            handle.remove()
+
+    def carries_radix(args: tuple, kwargs: dict) -> bool:
+        return any(isinstance(v, RadixCache) for v in (*args, *kwargs.values()))
+
+    def before(module, args, kwargs):
+        _calls.set([0] if carries_radix(args, kwargs) else None)
+
+    def after(module, args, kwargs, output):
+        counter = _calls.get()
+        if counter is None:
+            return
+        _calls.set(None)
+        if counter[0] != support.attention_layers:
+            raise UnsupportedModelError(
+                support.model_class,
+                f"{support.attention_layers} attention layers, but the radix attention ran {counter[0]} "
+                "times in one forward: a layer bypassed transformers' attention interface",
+            )
+
+    handles = (
+        stack.register_forward_pre_hook(before, with_kwargs=True),
+        stack.register_forward_hook(after, with_kwargs=True),
+    )
+    setattr(stack, _GUARD_ATTR, handles)

@@ -1,0 +1,5 @@
+"""`python -m hf_radix.lm_eval_backend ...`: lm-eval's CLI with "hf-radix" registered."""
+
+from . import main
+
+main()

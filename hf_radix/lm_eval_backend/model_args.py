@@ -1,0 +1,212 @@
+"""lm-eval's `hf` model_args as hf-radix takes them: loaded alike, accepted as no-ops, or refused up front.
+
+`hf` forwards unknown model_args to `from_pretrained`; hf-radix refuses them with the list of what it takes,
+so a typo or an option that would change the numbers never passes silently.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+# hf's model_args that hf-radix does not take yet, and why.
+REFUSED = {
+    **dict.fromkeys(
+        ("parallelize", "device_map", "tp_plan", "max_memory_per_gpu", "max_cpu_memory"),
+        "hf-radix runs on one device for now (multi-GPU placement is a later issue); drop it, or use "
+        "--model hf",
+    ),
+    "delta": "delta weights are not supported; merge them into a checkpoint first, or use --model hf",
+    "autogptq": "AutoGPTQ models are not supported; use --model hf",
+    "gptqmodel": "GPTQModel models are not supported; use --model hf",
+    "gguf_file": "GGUF checkpoints are not supported; convert to a transformers checkpoint or use --model hf",
+    "mixed_precision_dtype": "autocast is not supported; load the model in the dtype to run (dtype=...)",
+}
+
+# Accepted for compatibility with hf; they change nothing here.
+NO_OP = {
+    "attn_implementation": "hf-radix answers every lm-eval request with its own 'radix' attention",
+    "logits_cache": "contexts shared between requests are always computed once (the radix tree)",
+    "offload_folder": "nothing is offloaded (it only serves parallelize)",
+}
+
+BATCH_NOTE = (
+    "batch_size/max_batch_size are not needed: hf-radix schedules requests by tokens "
+    "(chunked_prefill_size, max_running_requests), so they are ignored"
+)
+
+
+def check_unknown(kwargs: dict, supported: list[str]) -> None:
+    """Raises for hf model_args hf-radix refuses (when set), or ones neither backend knows; notes no-ops."""
+    for name in sorted(kwargs):
+        if name in REFUSED and kwargs[name] not in (None, False, ""):
+            raise ValueError(f"hf-radix: model_args {name}={kwargs[name]!r}: {REFUSED[name]}")
+    unknown = sorted(set(kwargs) - set(NO_OP) - set(REFUSED))
+    if unknown:
+        raise TypeError(
+            f"hf-radix: unknown model_args {unknown}; supported: {', '.join(sorted(supported + list(NO_OP)))}"
+        )
+    for name in set(kwargs) & set(NO_OP):
+        logger.info("hf-radix: %s=%r has no effect: %s", name, kwargs[name], NO_OP[name])
+
+
+def parse_dtype(value: str | torch.dtype | None, name: str = "dtype") -> str | torch.dtype:
+    """`auto`, a torch dtype or its name (`bfloat16`, `float32`, ...)."""
+    if value is None or value == "auto" or isinstance(value, torch.dtype):
+        return value or "auto"
+    dtype = getattr(torch, str(value), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown {name} {value!r}; use auto, bfloat16, float16 or float32")
+    return dtype
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """The device asked for, never another: unset means CUDA when there is one, else the CPU."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"hf-radix: unknown device {device!r}") from error
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"hf-radix: device={device!r} was asked for, but CUDA is not available here; "
+                "pass device=cpu (or leave device unset)"
+            )
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"hf-radix: device={device!r}, but only {torch.cuda.device_count()} GPUs are visible"
+            )
+    return resolved
+
+
+def check_model_device(model: torch.nn.Module, device: str | None) -> None:
+    """A model object stays where it is; a different `device` is an error, not a silent move or a no-op."""
+    if device is not None and torch.device(device).type != model.device.type:
+        raise ValueError(
+            f"hf-radix: the model object is on {model.device} but device={device!r} was passed; move the "
+            "model yourself (model.to(...)) or leave device unset"
+        )
+
+
+def load_model(
+    pretrained: str,
+    *,
+    dtype,
+    device: torch.device,
+    revision: str | None,
+    subfolder: str,
+    trust_remote_code: bool,
+    peft: str | None,
+    tokenizer,
+) -> torch.nn.Module:
+    """AutoModelForCausalLM from a hub id or path, a PEFT adapter merged in, on `device`."""
+    options = {"revision": revision, "trust_remote_code": trust_remote_code}
+    if subfolder:
+        options["subfolder"] = subfolder
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **options)
+    if peft:
+        model = merge_peft(model, peft, revision, tokenizer)
+    return model.to(device)
+
+
+def merge_peft(model: torch.nn.Module, adapter: str, revision: str | None, tokenizer) -> torch.nn.Module:
+    """Loads a PEFT adapter as `hf` does and merges it into the weights (the radix path runs plain models)."""
+    try:
+        from peft import PeftModel
+    except ImportError as error:
+        raise ImportError(f"hf-radix: peft={adapter!r} needs the peft package (pip install peft)") from error
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    if vocab != len(tokenizer):  # adapters that added tokens, as hf handles them
+        model.resize_token_embeddings(len(tokenizer))
+    merged = PeftModel.from_pretrained(model, adapter, revision=revision).merge_and_unload()
+    logger.warning_once(
+        "hf-radix: the PEFT adapter is merged into the weights; in half precision the merged weights round "
+        "differently from hf's unmerged adapter layers (expect bf16-sized differences, not more)"
+    )
+    return merged
+
+
+def load_tokenizer(
+    source: str,
+    *,
+    revision: str | None,
+    subfolder: str,
+    trust_remote_code: bool,
+    use_fast: bool,
+    add_bos_token: bool | None,
+) -> transformers.PreTrainedTokenizerBase:
+    """AutoTokenizer with hf's options: `add_bos_token` goes to the tokenizer, which adds BOS (or not)."""
+    options = {"revision": revision, "trust_remote_code": trust_remote_code, "use_fast": use_fast}
+    if subfolder:
+        options["subfolder"] = subfolder
+    if add_bos_token is not None:
+        options["add_bos_token"] = add_bos_token
+    return transformers.AutoTokenizer.from_pretrained(source, **options)
+
+
+def _adds_bos(tokenizer) -> bool:
+    return tokenizer.encode("a")[:1] == [tokenizer.bos_token_id]
+
+
+def apply_add_bos_token(tokenizer, add_bos_token: bool | None):
+    """A tokenizer object that adds BOS as `add_bos_token` says (a copy when it has to change).
+
+    hf passes `add_bos_token` only to tokenizers it loads itself; an object it is given keeps adding BOS
+    or not as before. hf-radix applies it to objects too, and says so.
+    """
+    if add_bos_token is None or tokenizer.bos_token_id is None or _adds_bos(tokenizer) == add_bos_token:
+        return tokenizer
+    changed = copy.deepcopy(tokenizer)
+    changed.add_bos_token = add_bos_token
+    if _adds_bos(changed) != add_bos_token:
+        raise ValueError(
+            f"hf-radix: add_bos_token={add_bos_token} cannot be applied to this {type(tokenizer).__name__} "
+            "object; pass the tokenizer by name or path instead"
+        )
+    logger.warning_once(
+        f"hf-radix: add_bos_token={add_bos_token} applied to (a copy of) the tokenizer object; lm-eval's hf "
+        "backend applies it only to tokenizers it loads by name"
+    )
+    return changed
+
+
+def _rope_types(config) -> set[str]:
+    params = getattr(config, "rope_parameters", None) or {}
+    nested = [p for p in params.values() if isinstance(p, dict)] or [params]
+    return {p.get("rope_type", "default") for p in nested if p}
+
+
+STATIC_ROPE = frozenset({"default", "linear", "llama3", "yarn"})  # rotary angles depend on the position only
+
+
+def check_positions(model: torch.nn.Module, max_length: int) -> None:
+    """Refuses `max_length` above max_position_embeddings unless it runs as hf runs it (static rotary angles).
+
+    Learned position tables end at max_position_embeddings; rotary variants that rescale with the sequence
+    length (dynamic, longrope) would see a packed batch's length, not each request's.
+    """
+    text = model.config.get_text_config(decoder=True)
+    limit = getattr(text, "max_position_embeddings", None)
+    if limit is None or max_length <= limit:
+        return
+    types = _rope_types(text)
+    if not types or not types <= STATIC_ROPE:
+        raise ValueError(
+            f"hf-radix: max_length={max_length} is above the model's max_position_embeddings ({limit}) and "
+            f"its position encoding ({sorted(types) or 'learned positions'}) cannot be run exactly past it; "
+            f"pass max_length <= {limit}"
+        )
+    logger.warning(
+        "hf-radix: max_length=%d is above the model's max_position_embeddings (%d); like lm-eval's hf "
+        "backend, positions up to %d are computed (the model was not trained on them)",
+        max_length,
+        limit,
+        max_length,
+    )

@@ -1,0 +1,123 @@
+"""Cache-aware order of pending prompts: prefix groups served by what the radix tree holds now.
+
+Pending requests are kept in depth-first order of their prompts' trie, so batch-mates share prefixes and
+a prefix one of them computes is reused by the next ones. The trie is keyed by blocks of `BLOCK` tokens
+(one hash per block), so the sort compares `BLOCK` times fewer items than comparing token lists.
+Prompts sharing their first block form a group; whenever the current group is used up, the next group is
+chosen among the first `WINDOW` waiting ones by the cached length of its head prompt in the tree
+(longest first, like SGLang's "lpm"), then by how many prompts share it (heaviest first, like
+"dfs-weight"), then queue order. A group's cached length is matched once and kept: serving other groups
+inserts prefixes it does not share (they differ in the first block), so only an eviction makes the queue
+match again, the current group included. Matches are thus about one per group plus `WINDOW` per eviction
+seen, and the order keeps up with the tree at a bounded cost.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+BLOCK = 64
+WINDOW = 16
+
+
+class _Queued(Protocol):
+    token_ids: list[int]
+
+    @property
+    def match_ids(self) -> np.ndarray: ...
+
+
+def trie_key(ids: list[int]) -> tuple[int, ...]:
+    """Sort key of a prompt: one hash per whole block of tokens, then the remaining tokens themselves."""
+    whole = len(ids) - len(ids) % BLOCK
+    return (*[hash(tuple(ids[i : i + BLOCK])) for i in range(0, whole, BLOCK)], *ids[whole:])
+
+
+@dataclass
+class _Group:
+    """Pending requests sharing their first block, in trie order; its head's cached length once matched."""
+
+    key: int | None
+    reqs: deque = field(default_factory=deque)
+    cached_len: int | None = None
+
+
+class PrefixAwareQueue:
+    """The scheduler's pending queue (`[0]`, `popleft`, `extendleft`, `clear`, `len`), in cache-aware order.
+
+    `cached_len(ids)` is the length of `ids`' prefix in the tree now; `evictions()` any counter that
+    changes when the tree evicts.
+    """
+
+    def __init__(
+        self,
+        reqs: Iterable[_Queued],
+        cached_len: Callable[[np.ndarray], int],
+        evictions: Callable[[], int],
+    ):
+        keyed = sorted(((trie_key(r.token_ids), i, r) for i, r in enumerate(reqs)), key=lambda t: t[:2])
+        self._groups: deque[_Group] = deque()
+        for key, _, req in keyed:
+            head = key[0] if key else None
+            if not self._groups or head != self._groups[-1].key:
+                self._groups.append(_Group(head))
+            self._groups[-1].reqs.append(req)
+        self._current = _Group(None)
+        self._cached_len = cached_len
+        self._evictions = evictions
+        self._seen_evictions = evictions()
+        self._size = len(keyed)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __getitem__(self, index: int):
+        if index != 0:
+            raise IndexError("only the head of the pending queue can be read")
+        self._choose()
+        return self._current.reqs[0]
+
+    def popleft(self):
+        self._choose()
+        self._size -= 1
+        return self._current.reqs.popleft()
+
+    def extendleft(self, reqs: Iterable[_Queued]) -> None:
+        """Puts `reqs` back at the front (the last one given first, as `deque.extendleft`)."""
+        reqs = list(reqs)
+        self._current.reqs.extendleft(reqs)
+        self._size += len(reqs)
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._current = _Group(None)
+        self._size = 0
+
+    def _choose(self) -> None:
+        """Picks the group to serve next when the current one is used up or the tree has evicted."""
+        evictions = self._evictions()
+        evicted = evictions != self._seen_evictions
+        if self._current.reqs and not evicted:
+            return
+        self._seen_evictions = evictions
+        if self._current.reqs:
+            self._groups.appendleft(self._current)
+        if not self._groups:
+            raise IndexError("the pending queue is empty")
+        window = [self._groups[i] for i in range(min(WINDOW, len(self._groups)))]
+        for group in window:
+            if evicted or group.cached_len is None:
+                group.cached_len = self._cached_len(group.reqs[0].match_ids)
+        scores = [(group.cached_len, len(group.reqs), -i) for i, group in enumerate(window)]
+        best = scores.index(max(scores))
+        self._current = window[best]
+        del self._groups[best]
+

@@ -1,0 +1,143 @@
+"""GPU tests of shared-prefix attention at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128).
+
+bf16 and fp32 against the float64 reference and the per-row kernels, page sizes 1 and 16, sliding window,
+soft-capping, sinks, and replay of a CUDA graph captured once over static buffers refilled per batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from test_shared_prefix import (
+    case_plan,
+    make_shared_case,
+    ref_shared,
+    rel_err,
+    run_per_row,
+    run_shared,
+    subset_case,
+)
+
+from hf_radix.prefix_groups import SharedPrefixBuffers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+HEADS = dict(hq=32, hkv=8, d=128)
+SCALING = 1.0 / math.sqrt(128)
+REL_TOL_BF16 = 1e-2
+
+
+def _decode_groups(page: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    return [
+        (2048, [((37 * i) % 300, 1) for i in range(40)]),  # 40 rows: two prefix tiles
+        (1024, [(0, 1), (5, 1), (129, 1), (600, 1), (17, 1)]),
+        (16 * page, [(3, 1), (200, 1)]),
+        (512, [(31, 1)]),  # a group of one
+    ]
+
+
+def _extend_groups() -> list[tuple[int, list[tuple[int, int]]]]:
+    return [(1504, [((11 * i) % 40, 64) for i in range(12)] + [(3, 0), (0, 200)]), (512, [(0, 7), (9, 33)])]
+
+
+def _check(case: dict[str, Any], dtype: torch.dtype, per_row: bool, **kw: Any) -> None:
+    out = run_shared(case, SCALING, **kw)
+    ref = ref_shared(case, SCALING, kw.get("sliding_window"), kw.get("softcap"), kw.get("sinks"))
+    err = rel_err(out, ref)
+    print(f"rel err vs float64 {err:.2e}")
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-5)
+    if per_row:
+        base = run_per_row(case, SCALING, sliding_window=kw.get("sliding_window"), softcap=kw.get("softcap"))
+        diff = rel_err(out, base)
+        print(f"rel diff vs per-row kernel {diff:.2e}")
+        assert diff <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-5)
+
+
+KERNEL_KW = [
+    dict(),
+    dict(num_prefix_splits=4),
+    dict(num_prefix_splits=3, num_suffix_splits=2),
+    dict(num_prefix_splits=2, sliding_window=1500, softcap=30.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("kw", KERNEL_KW, ids=["plain", "psplit4", "merge", "window_softcap"])
+def test_decode_llama_heads(dtype: torch.dtype, page: int, kw: dict[str, Any]) -> None:
+    case = make_shared_case(_decode_groups(page), **HEADS, page_size=page, dtype=dtype, device="cuda",
+                            seed=page, alone=[(2100, 1), (7, 1)])
+    _check(case, dtype, per_row=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("kw", KERNEL_KW[:1] + KERNEL_KW[2:], ids=["plain", "merge", "window_softcap"])
+def test_extend_llama_heads(dtype: torch.dtype, page: int, kw: dict[str, Any]) -> None:
+    case = make_shared_case(_extend_groups(), **HEADS, page_size=page, dtype=dtype, device="cuda",
+                            seed=10 + page, alone=[(100, 50)])
+    _check(case, dtype, per_row=True, **kw)
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_sinks(mode: str) -> None:
+    groups = _decode_groups(16) if mode == "decode" else _extend_groups()
+    case = make_shared_case(groups, **HEADS, page_size=16, dtype=torch.bfloat16, device="cuda", seed=7)
+    sinks = torch.randn(32, generator=torch.Generator().manual_seed(1)).cuda() * 3.0
+    split = dict(num_prefix_splits=3, num_suffix_splits=2, sliding_window=700)
+    for kw in (dict(sinks=sinks), dict(sinks=sinks, **split)):
+        _check(case, torch.bfloat16, per_row=False, **kw)
+
+
+def test_membership_does_not_change_a_rows_result() -> None:
+    case = make_shared_case(_decode_groups(16)[:1], **HEADS, page_size=16, dtype=torch.bfloat16,
+                            device="cuda")
+    base = run_shared(case, SCALING, num_prefix_splits=4)
+    for rows in ([5, 0, 17], list(range(39, -1, -1)), [3, 9]):
+        out = run_shared(subset_case(case, rows), SCALING, num_prefix_splits=4)
+        assert torch.equal(out, base[rows])
+
+
+def test_cuda_graph_replays_refilled_buffers() -> None:
+    """One capture over static buffers; later batches (other groups, fewer rows) only refill them."""
+    from hf_radix.kernels.triton_shared_prefix import shared_prefix_attention
+
+    case = make_shared_case(_decode_groups(16), **HEADS, page_size=16, dtype=torch.bfloat16, device="cuda")
+    rows = len(case["seq_lens"])
+    plan = case_plan(case, prefix_parts=4)
+    buffers = SharedPrefixBuffers(rows, rows, plan.prefix_tile_q, plan.suffix_tile_q, "cuda")
+    q = torch.zeros_like(case["q"])
+    slots = torch.zeros(int(case["seq_lens"].sum()), dtype=case["slots"].dtype, device="cuda")
+    out = torch.empty_like(q)
+
+    def step() -> None:
+        shared_prefix_attention(q, case["k_cache"], case["v_cache"], slots, buffers, SCALING,
+                                num_prefix_splits=4, out=out)
+
+    def fill(sub: dict[str, Any]) -> None:
+        buffers.load(case_plan(sub, prefix_parts=4))
+        q[:len(sub["q"])].copy_(sub["q"])
+        slots[:len(sub["slots"])].copy_(sub["slots"])
+
+    fill(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for sub in (case, subset_case(case, [44, 3, 40, 1, 46, 45, 0]), subset_case(case, list(range(10, 30)))):
+        fill(sub)
+        graph.replay()
+        torch.cuda.synchronize()
+        n = len(sub["q"])
+        assert rel_err(out[:n], ref_shared(sub, SCALING)) <= REL_TOL_BF16
