@@ -82,6 +82,14 @@ class CacheManager:
             handle = self.host_tier.extend_match(ids, handle)
         return handle
 
+    def cached_len(self, token_ids: Sequence[int] | np.ndarray) -> int:
+        """The prefix length `match` would find (a host tier's included), copying nothing back."""
+        ids = np.asarray(token_ids)[: max(len(token_ids) - 1, 0)]
+        length = self.tree.match_prefix(ids).cached_len
+        if self.host_tier is not None:
+            length = max(length, self.host_tier.tree.match_prefix(ids).cached_len)
+        return length
+
     def lock(self, handle: MatchHandle) -> None:
         self.tree.lock(handle)
 

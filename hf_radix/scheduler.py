@@ -106,7 +106,7 @@ class Scheduler:
         if self.schedule_policy == "lpm":
             manager = self.manager
             self.pending = PrefixAwareQueue(
-                ready, lambda ids: manager.match(ids).cached_len, lambda: manager.evicted_tokens
+                ready, manager.cached_len, lambda: manager.evicted_tokens
             )
         else:
             self.pending = deque(ready)
