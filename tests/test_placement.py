@@ -7,11 +7,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import transformers
 from accelerate import dispatch_model
 from conftest import hf_greedy, hf_logits, random_ids
+from model_matrix import tiny_matrix_model
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
-from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError, tensor_parallel
 from hf_radix.cache_utils import RadixCache
+from hf_radix.engine import EngineOptions, RadixEngine
 from hf_radix.forward_batch import build_forward_batch
 from hf_radix.kv_pool import CPU_DEFAULT_TOKENS, KVPool, KVShape
 from hf_radix.placement import (
@@ -34,6 +39,13 @@ LAYER_MAP = {
     "model.norm": "cpu",
     "lm_head": "cpu",
 }
+
+
+@pytest.fixture
+def restore_verbosity():
+    level = logging.get_verbosity()
+    yield
+    logging.set_verbosity(level)
 
 
 def _hook(device) -> SimpleNamespace:
@@ -131,3 +143,60 @@ def test_dispatched_model_runs_unchanged(page_size: int, chunk: int):
         )
     assert out[0, ids.shape[1] :].tolist() == hf_greedy(reference, prompts[0], 4)
     runner.check_integrity()
+
+
+def _split_over_two_host_devices(model):
+    """Layer 1 "on" cpu:0 (a distinct device to the placement, the same memory): a two-chunk pool."""
+    model.model.layers[1]._hf_hook = _hook(torch.device("cpu", 0))
+    return model
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_mla_latent_pool_split_over_devices_matches_hf(page_size: int):
+    reference = tiny_matrix_model("DeepseekV3")
+    model = _split_over_two_host_devices(tiny_matrix_model("DeepseekV3"))
+    runner = RadixBatchRunner(model, page_size=page_size, attn_backend="torch", max_total_tokens=512)
+    pool = runner.engine.pool
+    assert isinstance(pool, PlacedKVPool) and pool.shape.latent and len(pool.chunks) == 2
+    gen = torch.Generator().manual_seed(5)
+    shared = random_ids(gen, 13, vocab=reference.config.vocab_size)
+    prompts = [shared + random_ids(gen, n, vocab=reference.config.vocab_size) for n in (2, 6, 3)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    outs = runner.run(prompts[:1], params) + runner.run(prompts[1:], params)  # the later ones hit the cache
+    assert [o.token_ids for o in outs] == [hf_greedy(reference, p, 4) for p in prompts]
+    assert all(o.cached_tokens >= len(shared) - 1 for o in outs[1:])
+    runner.check_integrity()
+
+
+def test_host_tier_and_cache_files_refuse_a_pool_over_several_devices(tmp_path):
+    model = _split_over_two_host_devices(tiny_model("llama"))
+    with pytest.raises(NotImplementedError, match="host-memory tier .* split over several devices"):
+        RadixEngine(model, EngineOptions(max_total_tokens=64, host_cache_tokens=64, attn_backend="torch"))
+    runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=64)
+    assert isinstance(runner.engine.pool, PlacedKVPool)
+    runner.run([[5, 6, 7, 8]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(NotImplementedError, match="save of the prefix cache .* split over several devices"):
+        runner.save_cache(tmp_path / "cache.safetensors")
+    with pytest.raises(NotImplementedError, match="load of the prefix cache .* split over several devices"):
+        runner.load_cache(tmp_path / "cache.safetensors")
+    assert not (tmp_path / "cache.safetensors").exists()
+    runner.check_integrity()
+
+
+def test_pool_warning_names_every_device_and_the_total_size(restore_verbosity):
+    transformers.logging.set_verbosity_warning()
+    model = _split_over_two_host_devices(tiny_model("llama"))
+    with CaptureLogger(logging.get_logger()) as captured:
+        engine = RadixEngine(model, EngineOptions(attn_backend="torch"))  # default-sized: a WARNING
+    gib = engine.pool.nbytes / 2**30
+    assert f"takes {gib:.2f} GiB of cpu + cpu:0 memory" in captured.out
+    assert engine.pool.nbytes == sum(chunk.nbytes for chunk in engine.pool.chunks.values())
+    engine.set_backends(EngineOptions(attn_backend="torch", store_backend="torch"))
+    assert {chunk.store_backend for chunk in engine.pool.chunks.values()} == {"torch"}
+
+
+def test_tensor_parallel_refuses_mla_latents(monkeypatch):
+    monkeypatch.setattr(tensor_parallel, "tp_group", lambda model: object())
+    latent = KVShape(num_layers=2, num_kv_heads=1, head_dim=16, v_head_dim=8, latent=True)
+    with pytest.raises(UnsupportedModelError, match="MLA layers .* tensor parallel"):
+        tensor_parallel.local_kv_shape(tiny_model("llama"), latent)
