@@ -117,11 +117,6 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
     _check_multimodal(model, refuse)
     _check_recurrent(model, refuse)
-    if not getattr(model, "_supports_attention_backend", False):
-        raise refuse(
-            "its attention does not go through transformers' attention interface (the model class does "
-            "not declare _supports_attention_backend), so the radix attention would never see its layers"
-        )
     attention = _attention_layers(model, refuse)
     return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
 

@@ -19,7 +19,8 @@ from hf_radix import RadixBatchRunner, SamplingParams, kv_pool
 
 
 def _modules_with_logger():
-    names = [m.name for m in pkgutil.walk_packages(hf_radix.__path__, "hf_radix.")]
+    packages = pkgutil.walk_packages(hf_radix.__path__, "hf_radix.")
+    names = [m.name for m in packages if not m.name.endswith(".__main__")]  # importing one runs a CLI
     modules = []
     for name in names:
         try:

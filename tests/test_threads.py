@@ -270,10 +270,6 @@ def _kwargs_dropping_model(name: str) -> torch.nn.Module:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_models_that_drop_extra_kwargs_match_hf(name: str, page_size: int):
     model = _kwargs_dropping_model(name)
-    if not getattr(type(model), "_supports_attention_backend", False):  # StableLM in transformers 5.24
-        with pytest.raises(hf_radix.UnsupportedModelError, match="_supports_attention_backend"):
-            hf_radix.configure(model, max_total_tokens=1024, page_size=page_size, attn_backend="torch")
-        return
     hf_radix.configure(model, max_total_tokens=1024, page_size=page_size, attn_backend="torch")
     gen = torch.Generator().manual_seed(4)
     shared = random_ids(gen, 21)

@@ -2,5 +2,5 @@
 
 from . import main
 
-if __name__ == "__main__":  # importing the module (walking the package) must not run the CLI
+if __name__ == "__main__":
     main()

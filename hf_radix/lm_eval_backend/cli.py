@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch
@@ -31,18 +32,12 @@ def main(argv: list[str] | None = None) -> None:
             args[start:start] = ["--model", "hf-radix"]
         if not _has(args, "--device"):
             args[start:start] = ["--device", "cuda" if torch.cuda.is_available() else "cpu"]
-    _log_to_stderr()
+    _show_info_notes()
     sys.argv = [sys.argv[0], *args]
     cli_evaluate()
 
 
-def _log_to_stderr() -> None:
-    """hf-radix's INFO notes on stderr, next to lm-eval's own log lines."""
-    root = logging.getLogger("hf_radix")
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(
-            logging.Formatter("%(asctime)s %(levelname)-8s [hf_radix] %(message)s", "%Y-%m-%d:%H:%M:%S")
-        )
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
+def _show_info_notes() -> None:
+    """hf-radix's INFO notes shown (by transformers' handler) unless TRANSFORMERS_VERBOSITY is set."""
+    if not os.environ.get("TRANSFORMERS_VERBOSITY"):
+        logging.getLogger("hf_radix").setLevel(logging.INFO)
