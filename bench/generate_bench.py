@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
-from hf_radix import fused_ops, generation  # noqa: E402
 
 GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
 
@@ -70,7 +69,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model, init_s = build_model(args.tiny, device, dtype)
     pool = dict(max_total_tokens=args.max_total_tokens) if args.max_total_tokens else dict(mem_fraction=0.5)
-    engine = hf_radix.configure(model, page_size=args.page_size, attn_backend=args.attn_backend, **pool)
+    engine = hf_radix.configure(
+        model, page_size=args.page_size, attn_backend=args.attn_backend, cuda_graph=not args.no_cuda_graph,
+        fused_ops=not args.no_fused_ops, **pool,
+    )
     vocab = model.config.vocab_size
 
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +126,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_ratio": decode["radix"] / decode["default"],
     }
     stats = hf_radix.cache_stats(model)
-    graphs = generation._engine_graphs(engine)
+    core = engine.model_runner
     return {
         "config": {
             "model": "tiny-llama" if args.tiny else "llama-3.1-8b-shape (random weights)",
@@ -135,10 +137,10 @@ def run(args: argparse.Namespace) -> dict:
             "questions_per_part": n,
             "page_size": args.page_size,
             "attn_backend": engine.backend.name,
-            "radix_cuda_graphs": graphs is not None,
-            "fused_norm_rope_in_graphs": fused_ops.ENABLED,
+            "radix_cuda_graphs": core.has_graphs,
+            "fused_norm_rope_in_graphs": core.has_graphs and core.fused_ops,
             "default_attention": "sdpa",
-            "pool_tokens": engine.pool.num_slots,
+            "pool_tokens": engine.pool_tokens,
             "model_init_s": init_s,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
@@ -157,7 +159,9 @@ def run(args: argparse.Namespace) -> dict:
         "call4_greedy_agreement": agree / n,
         "radix_tokens_computed_in_measured_calls": engine.stats.computed_tokens - computed_before,
         "cache_stats": stats,
-        "graph_replays": graphs and {"decode": graphs[0].replays, "extend": graphs[1].replays},
+        "graph_replays": core.has_graphs and {
+            "decode": core.decode_graphs.replays, "extend": core.extend_graphs.replays
+        },
         "raw_s": times,
     }
 
@@ -243,8 +247,6 @@ def main(argv: list[str] | None = None) -> dict:
     args.questions = args.questions or 20
     if not torch.cuda.is_available() or args.cpu:
         torch.set_num_threads(min(torch.get_num_threads(), 4))
-    generation.CUDA_GRAPHS = not args.no_cuda_graph
-    fused_ops.ENABLED = not args.no_fused_ops
     result = run(args)
     if args.profile:
         return result

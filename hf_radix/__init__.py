@@ -8,14 +8,16 @@ from transformers.utils import logging as _logging
 from . import cache_io as _cache_io
 from .attention import register as _register_attention
 from .cache_io import CacheFileError
-from .cache_utils import RadixCache, register_generate_support
+from .cache_utils import RadixCache
 from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
 from .errors import RequestError, UnsupportedModelError
+from .generate_hook import register_generate_support
 from .radix_tree import IntegrityError
 from .request import RequestOutput
+from .runner import RadixBatchRunner
 from .sampling import SamplingParams
-from .scheduler import RadixBatchRunner, RunnerStats
+from .stats import RadixStats
 
 __all__ = [
     "CacheFileError",
@@ -26,7 +28,7 @@ __all__ = [
     "RadixEngine",
     "RequestError",
     "RequestOutput",
-    "RunnerStats",
+    "RadixStats",
     "SamplingParams",
     "UnsupportedModelError",
     "cache_stats",

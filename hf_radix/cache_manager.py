@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
+from .page_table import PageTable
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
 
 if TYPE_CHECKING:
@@ -21,14 +23,10 @@ class OutOfPagesError(RuntimeError):
 
 @dataclass
 class _Row:
-    """A running request's page-table row: the slots of its tokens and the lock on its cached prefix."""
+    """A running request's page-table row: how much of it is allocated and the lock on its cached prefix."""
 
     handle: MatchHandle
-    slots: np.ndarray  # slot index of every token position that has a page; len == allocated length
-
-    @property
-    def allocated_len(self) -> int:
-        return len(self.slots)
+    allocated_len: int  # positions with a slot in the page table (a multiple of the page size)
 
 
 class CacheManager:
@@ -36,18 +34,27 @@ class CacheManager:
 
     Lifecycle per request: `match` → `lock` → `open_row` → `allocate` (evicts on shortfall) → forward →
     `cache_req(finished=False)` after prefill → … → `cache_req(finished=True)` (finish or abort alike).
-    Slots a row owns are `slots[handle.cached_len:]`; the prefix before that belongs to the tree.
+    A row's slots live in the page table (`table`, host and device), written once when allocated; the
+    slots a row owns are those past `handle.cached_len`; the prefix before that belongs to the tree.
     """
 
-    def __init__(self, num_pages: int, page_size: int = 1):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int = 1,
+        *,
+        device: torch.device | str = "cpu",
+        scratch_slot: int | None = None,
+    ):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.tree = RadixPrefixCache(page_size)
         self.page_size = page_size
         self.num_pages = num_pages
+        scratch = num_pages * page_size if scratch_slot is None else scratch_slot
+        self.table = PageTable(num_pages * page_size, device, scratch)  # a row never outgrows the pool
         self._free = np.arange(num_pages, dtype=np.int64) * page_size  # first slot of each free page
         self._rows: dict[int, _Row] = {}
-        self._next_row = 0
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
         self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
@@ -82,13 +89,9 @@ class CacheManager:
             handle = self.host_tier.extend_match(ids, handle)
         return handle
 
-    def cached_len(self, token_ids: Sequence[int] | np.ndarray) -> int:
-        """The prefix length `match` would find (a host tier's included), copying nothing back."""
-        ids = np.asarray(token_ids)[: max(len(token_ids) - 1, 0)]
-        length = self.tree.match_prefix(ids).cached_len
-        if self.host_tier is not None:
-            length = max(length, self.host_tier.tree.match_prefix(ids).cached_len)
-        return length
+    def gpu_cached_len(self, token_ids: Sequence[int] | np.ndarray) -> int:
+        """What `match` would find on the GPU alone: an estimate for ordering, copying nothing back."""
+        return self.tree.match_prefix(np.asarray(token_ids)[: max(len(token_ids) - 1, 0)]).cached_len
 
     def lock(self, handle: MatchHandle) -> None:
         self.tree.lock(handle)
@@ -101,35 +104,51 @@ class CacheManager:
         """Creates a page-table row for a request whose locked `handle` covers its cached prefix."""
         if not handle.locked:
             raise ValueError("open_row needs a locked handle; lock it first so the prefix cannot be evicted")
-        row = self._next_row
-        self._next_row += 1
-        self._rows[row] = _Row(handle, handle.matched_indices().astype(np.int64, copy=True))
+        row = self.table.open()
+        self._rows[row] = _Row(handle, handle.cached_len)
+        self.table.write_row(row, 0, handle.matched_indices())
         return row
 
     def row_slots(self, row: int) -> np.ndarray:
-        """Slot indices of the row's allocated positions (a view; do not modify)."""
-        return self._rows[row].slots
+        """Slot indices of the row's allocated positions (a view of the host table; do not modify)."""
+        return self.table.host[row, : self._rows[row].allocated_len]
+
+    def row_len(self, row: int) -> int:
+        """Positions of the row with a slot."""
+        return self._rows[row].allocated_len
 
     def row_cached_len(self, row: int) -> int:
         """Length of the row's prefix held (and locked) in the tree."""
         return self._rows[row].handle.cached_len
 
     def allocate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
-        """Grows each row's allocation to cover `lengths[i]` tokens, evicting from the tree once if needed."""
-        needs = [self.pages_for(self._rows[r].allocated_len, n) for r, n in zip(rows, lengths)]
-        total = sum(needs)
+        """Grows each row's allocation to cover `lengths[i]` tokens, evicting from the tree once if needed.
+
+        Only the new slots are written (host and device page table); nothing is re-concatenated.
+        """
+        if len(rows) == 0:
+            return
+        rows = np.asarray(rows, dtype=np.int64)
+        current = np.fromiter((self._rows[r].allocated_len for r in rows), dtype=np.int64, count=len(rows))
+        ps = self.page_size
+        needs = np.maximum(0, -(-np.asarray(lengths, dtype=np.int64) // ps) - current // ps)
+        total = int(needs.sum())
         if total == 0:
             return
+        grow = needs > 0
+        rows, current, counts = rows[grow], current[grow], needs[grow] * ps
+        if int((current + counts).max()) > self.table.width:
+            raise ValueError(
+                f"a request needs {int((current + counts).max())} positions; the page table holds "
+                f"{self.table.width} (the KV pool)"
+            )
         pages = self._take_pages(total)
-        offsets = np.arange(self.page_size, dtype=np.int64)
-        start = 0
-        for row, need in zip(rows, needs):
-            if need == 0:
-                continue
-            state = self._rows[row]
-            new = (pages[start : start + need, None] + offsets).reshape(-1)
-            state.slots = np.concatenate([state.slots, new])
-            start += need
+        slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+        starts = np.repeat(np.cumsum(counts) - counts, counts)
+        positions = np.arange(len(slots), dtype=np.int64) - starts + np.repeat(current, counts)
+        self.table.write(np.repeat(rows, counts), positions, slots)
+        for row, length in zip(rows.tolist(), (current + counts).tolist()):
+            self._rows[row].allocated_len = length
 
     def cache_req(
         self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool
@@ -137,8 +156,8 @@ class CacheManager:
         """Inserts the row's first `num_computed` tokens into the tree and moves the lock to the new node.
 
         Frees the pages the tree already held (duplicates computed concurrently) exactly once; when
-        `finished`, also frees the unaligned tail and every other page the row owns, and closes the row.
-        Returns the length now held by the tree for this request.
+        `finished` (finish, abort or error alike: the one exit of a request), also frees the unaligned tail
+        and every other page the row owns, and closes the row. Returns the length now held by the tree.
         """
         state = self._rows[row]
         if not state.handle.cached_len <= num_computed <= min(state.allocated_len, len(token_ids)):
@@ -146,25 +165,23 @@ class CacheManager:
                 f"num_computed={num_computed} must lie between the cached prefix ({state.handle.cached_len}) "
                 f"and the row's tokens/allocation ({min(state.allocated_len, len(token_ids))})"
             )
+        slots = self.row_slots(row)
         aligned = num_computed - num_computed % self.page_size
         old = state.handle
         keys = np.asarray(token_ids[:aligned])
-        present, new = self.tree.insert_prefix(keys, state.slots[:aligned])
+        present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
         self.tree.unlock(old)
-        self._release(state.slots[old.cached_len : present])
+        self._release(slots[old.cached_len : present])
         if finished:
-            self._release(state.slots[aligned:])
+            self._release(slots[aligned:])
             del self._rows[row]
+            self.table.close(row)
         else:
             self.tree.lock(new)
             state.handle = new
-            if present > old.cached_len:
-                state.slots[:aligned] = new.matched_indices()
+            if present > old.cached_len:  # the row now reads the tree's copy of what it duplicated
+                self.table.write_row(row, old.cached_len, new.matched_indices()[old.cached_len : present])
         return new.cached_len
-
-    def release_row(self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int) -> None:
-        """The one exit path for a request (finish, abort or error): keep what is reusable, free the rest."""
-        self.cache_req(row, token_ids, num_computed, finished=True)
 
     # -- pages ---------------------------------------------------------------------------------------
     def _take_pages(self, count: int) -> np.ndarray:
@@ -185,7 +202,7 @@ class CacheManager:
         """Returns the pages starting in `slots` (page-aligned, whole pages) to the free list."""
         if len(slots) == 0:
             return
-        firsts = slots[:: self.page_size].copy()
+        firsts = slots[:: self.page_size].astype(np.int64)
         if self._lazy_frees is not None:
             self._lazy_frees.append(firsts)
         else:
@@ -241,7 +258,8 @@ class CacheManager:
         self.tree.check_integrity(locks=[state.handle for state in self._rows.values()])
         ps = self.page_size
         limit = self.num_pages * ps  # the scratch page (first slot `limit`) is never managed
-        owned = [state.slots[state.handle.cached_len :] for state in self._rows.values()]
+        rows = {row: self.row_slots(row).astype(np.int64) for row in self._rows}
+        owned = [rows[row][state.handle.cached_len :] for row, state in self._rows.items()]
         tree_slots = self.tree.slot_indices()
         for what, slots in (("free", self._free), ("cached", tree_slots), *(("owned", s) for s in owned)):
             bad = slots[(slots < 0) | (slots >= limit)]
@@ -262,6 +280,13 @@ class CacheManager:
                 f"{sum(len(s[::ps]) for s in owned)} != total {self.num_pages}; first missing page "
                 f"{int(missing[0]) // ps if len(missing) else '?'}"
             )
-        for state in self._rows.values():
-            if not np.array_equal(state.slots[: state.handle.cached_len], state.handle.matched_indices()):
+        for row, state in self._rows.items():
+            if not np.array_equal(rows[row][: state.handle.cached_len], state.handle.matched_indices()):
                 raise IntegrityError("a running request's page-table row disagrees with the tree")
+        self._check_page_table()
+
+    def _check_page_table(self) -> None:
+        """The device page table equals the host one on every running row; the padding row is intact."""
+        problem = self.table.check({row: state.allocated_len for row, state in self._rows.items()})
+        if problem is not None:
+            raise IntegrityError(problem)

@@ -1,8 +1,7 @@
-"""RadixCache, the `transformers.Cache` routing each layer's K/V into the pool; the generate registration."""
+"""RadixCache, the `transformers.Cache` routing each layer's K/V into the pool."""
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,39 +65,3 @@ class RadixCache(Cache):
 
 
 CACHE_IMPLEMENTATION = "radix"
-
-
-def register_generate_support() -> None:
-    """Makes "radix" a valid `cache_implementation` and routes such `generate` calls here (idempotent).
-
-    Touches transformers in three places only: the tuple of valid cache implementations, a thin wrapper
-    around `GenerationMixin.generate` that passes every other call through unchanged, and one around
-    `GenerationMixin._prepare_generation_config` that unsets, in a radix call's own context only, the
-    settings the radix path takes over.
-    """
-    from transformers.generation import configuration_utils as gen_config
-    from transformers.generation.utils import GenerationMixin
-
-    if CACHE_IMPLEMENTATION not in gen_config.ALL_CACHE_IMPLEMENTATIONS:
-        gen_config.ALL_CACHE_IMPLEMENTATIONS = (*gen_config.ALL_CACHE_IMPLEMENTATIONS, CACHE_IMPLEMENTATION)
-    if getattr(GenerationMixin.generate, "_hf_radix", False):
-        return
-    original = GenerationMixin.generate
-
-    @functools.wraps(original)
-    def generate(self, *args, **kwargs):
-        from .generation import maybe_radix_generate
-
-        return maybe_radix_generate(original, self, args, kwargs)
-
-    generate._hf_radix = True
-    GenerationMixin.generate = generate
-    original_prepare = GenerationMixin._prepare_generation_config
-
-    @functools.wraps(original_prepare)
-    def _prepare_generation_config(self, *args, **kwargs):
-        from .generation import prepare_generation_config
-
-        return prepare_generation_config(original_prepare, self, args, kwargs)
-
-    GenerationMixin._prepare_generation_config = _prepare_generation_config

@@ -3,21 +3,24 @@
 Eager HF forwards of a few tokens are launch-bound (tens of milliseconds at 8B whatever the batch);
 replaying a captured graph removes that. Two kinds:
 
-* `DecodeGraphs`: one new token per row, rows padded to a bucket; a padded row is one token at the
-  scratch slot (outside the managed pool) that attends to itself.
+* `DecodeGraphs`: one new token per row, rows padded to a bucket; a padded row is one token on the page
+  table's padding row (every position: the scratch slot outside the managed pool), attending to itself.
 * `ExtendGraphs`: a few new tokens per row over cached prefixes (a question after a cached few-shot
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
-  row with no prefix, all writing the scratch slot.
+  row on the padding row, all writing the scratch slot.
 
-Graphs are captured with the model's Llama-style norms and rotary embeddings swapped for single Triton
-kernels (`fused_ops`). Off CUDA the same padded batches run eagerly, so the padding logic is exercised on
-the CPU too.
+Before a replay the step's metadata is built on the device from the page table and copied into the
+graph's static buffers; the static slot buffer holds every row's whole context (bucket x table width),
+so no context length falls back to eager. Graphs are captured with the model's Llama-style norms and
+rotary embeddings swapped for single Triton kernels (`fused_ops`, unless turned off). Off CUDA the same
+padded batches run eagerly, so the padding logic is exercised on the CPU too.
 """
 
 from __future__ import annotations
 
 import abc
-import weakref
+import contextlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -25,19 +28,17 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .forward_batch import ForwardBatch, HostBatch, pack_batch, upload_batch
+from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .fused_ops import fused_norm_and_rope
+from .page_table import PADDING_ROW
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 
-
-MAX_KV_PER_ROW = 16384
-EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 _EMPTY = np.zeros(0, dtype=np.int64)
-_extend_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its ExtendGraphs
+EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -50,122 +51,111 @@ def _bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-class _StagedBuffer:
-    """A device index buffer with a pinned host twin: fill `host`, then `upload(n)` copies its first n."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
-        with torch.inference_mode(False):  # written later by calls in any grad mode
-            self.device = torch.zeros(size, dtype=dtype, device=device)
-            self._pinned = torch.zeros(size, dtype=dtype).pin_memory()
-        self.host = self._pinned.numpy()
-
-    def upload(self, n: int) -> None:
-        self.device[:n].copy_(self._pinned[:n], non_blocking=True)
-
-
 class _CapturedForwards(abc.ABC):
-    """Shared machinery: static buffers, capture on first use of a shape, replay with fresh metadata.
-
-    Static layout: int64 `[ids | positions | out_loc] x max_tokens, logits x max_rows, kv slots`, and
-    int32 `qo_indptr, lens, kv_indptr` for up to `max_rows + 1` rows (the extra one holds padding).
-    """
+    """Shared machinery: static buffers, capture per padded shape, replay with fresh metadata."""
 
     #: the kernels read the slot lists of whole contexts (decode) or of cached prefixes (extend)
     decode: bool
 
-    def __init__(self, engine: RadixEngine, max_rows: int, max_tokens: int):
+    def __init__(self, engine: RadixEngine, max_rows: int, max_tokens: int, fused_ops: bool = True):
         self.engine = engine
+        self.table = engine.manager.table
         self.max_rows, self.max_tokens = max_rows, max_tokens
-        self.scratch_slot = engine.scratch_slot
-        self.kv_bound = min(engine.max_context, engine.pool.num_slots)
-        # Rows sharing a prefix list its slots once each, so a batch can index more slots than the pool has;
-        # past this bound a forward runs eagerly instead.
-        self.max_kv = max_rows * min(self.kv_bound, MAX_KV_PER_ROW)
+        self.fused_ops = fused_ops
+        # a row's context in a graph: up to the model's context (generate may go past it: eagerly)
+        self.kv_bound = min(self.table.width, engine.max_context)
         self.capture = engine.device.type == "cuda"
         self.replays = 0
+        self.capture_time = 0.0
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.capture:
-            tm, rm = max_tokens, max_rows
-            self._wide = _StagedBuffer(3 * tm + rm + self.max_kv, torch.int64, engine.device)
-            self._narrow = _StagedBuffer(3 * (rm + 1) + 2, torch.int32, engine.device)
+            device = engine.device
+            tokens, rows = max_tokens, max_rows + 1  # + the padding row of extend batches
+            with torch.inference_mode(False):  # written later by calls in any grad mode
+                scratch = self.table.scratch_slot
+                self._static = {
+                    "input_ids": torch.zeros(tokens, dtype=torch.int64, device=device),
+                    "positions": torch.zeros(tokens, dtype=torch.int64, device=device),
+                    "out_loc": torch.full((tokens,), scratch, dtype=torch.int64, device=device),
+                    "logits_indices": torch.zeros(rows, dtype=torch.int64, device=device),
+                    "kv": torch.full((rows * self.kv_bound,), scratch, dtype=torch.int64, device=device),
+                    "qo_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                    "lens": torch.zeros(rows, dtype=torch.int32, device=device),
+                    "kv_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                }
             self._pool = torch.cuda.graph_pool_handle()
-            # name -> (buffer, offset) of each static metadata array
-            self._segments: dict[str, tuple[_StagedBuffer, int]] = {
-                "input_ids": (self._wide, 0),
-                "positions": (self._wide, tm),
-                "out_loc": (self._wide, 2 * tm),
-                "logits_indices": (self._wide, 3 * tm),
-                "kv": (self._wide, 3 * tm + rm),
-                "qo_indptr": (self._narrow, 0),
-                "lens": (self._narrow, rm + 2),
-                "kv_indptr": (self._narrow, 2 * rm + 3),
-            }
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
 
     # -- the static batch of one shape -------------------------------------------------------------------
-    def _view(self, name: str, n: int | None) -> torch.Tensor:
-        buffer, start = self._segments[name]
-        return buffer.device[start:] if n is None else buffer.device[start : start + n]
-
     def _static_batch(self, rows: int, tokens: int, logits: int) -> ForwardBatch:
         """The batch a graph of `rows` rows (padding row included) and `tokens` tokens is captured with."""
-        lens, kv_indptr = self._view("lens", rows), self._view("kv_indptr", rows + 1)
-        kv = self._view("kv", None)
+        s = self._static
+        lens, kv_indptr, kv = s["lens"][:rows], s["kv_indptr"][: rows + 1], s["kv"]
         return ForwardBatch(
-            input_ids=self._view("input_ids", tokens),
-            positions=self._view("positions", tokens),
-            out_loc=self._view("out_loc", tokens),
-            qo_indptr=self._view("qo_indptr", rows + 1),
+            input_ids=s["input_ids"][:tokens],
+            positions=s["positions"][:tokens],
+            out_loc=s["out_loc"][:tokens],
+            qo_indptr=s["qo_indptr"][: rows + 1],
             prefix_lens=lens,
             seq_lens=lens,
             kv_indices=kv,
             kv_indptr=kv_indptr,
             prefix_kv_indices=kv,
             prefix_kv_indptr=kv_indptr,
-            logits_indices=self._view("logits_indices", logits),
+            logits_indices=s["logits_indices"][:logits],
             qo_indptr_host=np.r_[np.arange(rows) if self.decode else np.zeros(rows, dtype=np.int64), tokens],
             seq_lens_host=np.ones(rows, dtype=np.int64),
             max_new_len=1 if self.decode else tokens,
             max_kv_len=self.kv_bound,
         )
 
-    def _stage(self, host: HostBatch) -> None:
-        """Writes a padded batch's metadata into the staging buffers and copies them to the device."""
-        arrays = {
-            "input_ids": host.input_ids,
-            "positions": host.positions,
-            "out_loc": host.out_loc,
-            "logits_indices": host.logits_indices,
-            "kv": host.kv_indices if self.decode else host.prefix_kv_indices,
-            "qo_indptr": host.qo_indptr,
-            "lens": host.seq_lens if self.decode else host.prefix_lens,
-            "kv_indptr": host.kv_indptr if self.decode else host.prefix_kv_indptr,
-        }
-        for name, values in arrays.items():
-            buffer, start = self._segments[name]
-            buffer.host[start : start + len(values)] = values
-        self._wide.upload(self._segments["kv"][1] + len(arrays["kv"]))
-        self._narrow.upload(len(self._narrow.host))
+    def _load(self, batch: ForwardBatch) -> None:
+        """Copies a padded batch's device metadata into the static buffers (device to device)."""
+        s = self._static
+        kv = batch.kv_indices if self.decode else batch.prefix_kv_indices
+        pairs = [
+            ("input_ids", batch.input_ids), ("positions", batch.positions), ("out_loc", batch.out_loc),
+            ("logits_indices", batch.logits_indices), ("kv", kv), ("qo_indptr", batch.qo_indptr),
+            ("lens", batch.seq_lens if self.decode else batch.prefix_lens),
+            ("kv_indptr", batch.kv_indptr if self.decode else batch.prefix_kv_indptr),
+        ]
+        for name, values in pairs:
+            s[name][: len(values)].copy_(values, non_blocking=True)
 
     # -- running -----------------------------------------------------------------------------------------
-    def _run(self, key: tuple[int, int], host: HostBatch, real_rows: int) -> torch.Tensor:
-        """Runs a padded batch (its graph, captured on first use; eagerly off CUDA); real rows' logits."""
+    def _run(self, key: tuple[int, int], padded: StepRows, real_rows: int) -> torch.Tensor:
+        """Runs a padded batch (its graph, captured on first use; eagerly off CUDA); real rows' logits.
+
+        On CUDA the result is the graph's output buffer: valid until the next replay.
+        """
         self.replays += 1
+        batch = build_forward_batch(self.table, padded)
         if not self.capture:
-            return self.engine.run_model(upload_batch(host, self.engine.device))[:real_rows]
+            return self.engine.run_model(batch)[:real_rows]
         if key not in self._graphs:
-            self._graphs[key] = self._capture(key, host)
+            self._graphs[key] = self._capture(key)
         graph, logits = self._graphs[key]
-        self._stage(host)
+        self._load(batch)
         graph.replay()
         return logits[:real_rows]
 
-    def _capture(self, key: tuple[int, int], host: HostBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        rows, tokens = len(host.qo_indptr) - 1, len(host.input_ids)
-        batch = self._static_batch(rows, tokens, len(host.logits_indices))
-        self._stage(self._padding_only(key))
+    def capture_shape(self, key: tuple[int, int]) -> None:
+        """Captures the graph of a padded shape now (a warm-up), unless it already is."""
+        if self.capture and key not in self._graphs:
+            self._graphs[key] = self._capture(key)
+
+    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        started = time.perf_counter()
+        padding = self._padding_only(key)
+        batch = self._static_batch(padding.batch_size, padding.num_tokens, key[0])
+        self._load(build_forward_batch(self.table, padding))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with fused_norm_and_rope(self.engine.model) as fused:
+        fused = fused_norm_and_rope(self.engine.model) if self.fused_ops else contextlib.nullcontext(0)
+        with fused as swaps:
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.engine.run_model(batch)
@@ -173,12 +163,22 @@ class _CapturedForwards(abc.ABC):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 logits = self.engine.run_model(batch)
-        logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, fused)
+        torch.cuda.current_stream().synchronize()
+        self.capture_time += time.perf_counter() - started
+        logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, swaps)
         return graph, logits
 
     @abc.abstractmethod
-    def _padding_only(self, key: tuple[int, int]) -> HostBatch:
+    def _padding_only(self, key: tuple[int, int]) -> StepRows:
         """A batch of the shape `key` made of padding alone (what a graph is captured with)."""
+
+
+def _padding_rows(count: int, prefix: int = 0, new: int = 0) -> dict[str, np.ndarray]:
+    return {
+        "rows": np.full(count, PADDING_ROW, dtype=np.int64),
+        "prefix_lens": np.full(count, prefix, dtype=np.int64),
+        "new_lens": np.full(count, new, dtype=np.int64),
+    }
 
 
 class DecodeGraphs(_CapturedForwards):
@@ -186,38 +186,41 @@ class DecodeGraphs(_CapturedForwards):
 
     decode = True
 
-    def __init__(self, engine: RadixEngine, max_batch: int):
-        super().__init__(engine, max_batch, max_batch)
+    def __init__(self, engine: RadixEngine, max_batch: int, fused_ops: bool = True):
+        super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
 
-    def fits(self, batch_size: int, total_kv: int) -> bool:
-        """Whether a decode step of `batch_size` rows reading `total_kv` slots can replay a graph."""
-        bucket = _bucket(self.sizes, batch_size)
-        return bucket is not None and total_kv + bucket - batch_size <= self.max_kv
-
-    def _pad(self, size: int, row_slots, token_ids, positions) -> HostBatch:
-        pad = size - len(token_ids)
-        scratch = np.array([self.scratch_slot])
-        return pack_batch(
-            [*row_slots, *[scratch] * pad],
-            [np.array([t]) for t in token_ids] + [np.zeros(1, dtype=np.int64)] * pad,
-            [*positions, *[0] * pad],
-            None,
-            prefix_context=not self.capture,
+    def fits(self, step: StepRows) -> bool:
+        """Whether a step (one new token per row) can replay a graph."""
+        return (
+            step.is_decode
+            and step.batch_size <= self.max_rows
+            and step.last_tokens_only
+            and int((step.prefix_lens + 1).max()) <= self.kv_bound
         )
 
-    def _padding_only(self, key: tuple[int, int]) -> HostBatch:
-        return self._pad(key[0], [], [], [])
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(s, s) for s in self.sizes]
 
-    def run(
-        self, row_slots: Sequence[np.ndarray], token_ids: Sequence[int], positions: Sequence[int]
-    ) -> torch.Tensor:
-        """Decodes one token per row (`positions[i]`: where its new token goes); returns `[B, vocab]`."""
-        if not self.fits(len(token_ids), sum(p + 1 for p in positions)):
-            raise ValueError(f"a decode batch of {len(token_ids)} rows does not fit the captured graphs")
-        size = _bucket(self.sizes, len(token_ids))
-        host = self._pad(size, row_slots, token_ids, positions)
-        return self._run((size, size), host, len(token_ids))
+    def _pad(self, size: int, step: StepRows) -> StepRows:
+        pad = _padding_rows(size - step.batch_size, 0, 1)
+        return StepRows(
+            rows=np.r_[step.rows, pad["rows"]],
+            prefix_lens=np.r_[step.prefix_lens, pad["prefix_lens"]],
+            new_lens=np.r_[step.new_lens, pad["new_lens"]],
+            input_ids=np.r_[step.input_ids, np.zeros(len(pad["rows"]), dtype=np.int64)],
+            from_table=step.from_table,
+        )
+
+    def _padding_only(self, key: tuple[int, int]) -> StepRows:
+        return self._pad(key[0], StepRows.of([], [], []))
+
+    def run(self, step: StepRows) -> torch.Tensor:
+        """Decodes one token per row; returns `[B, vocab]` (see `_run` for the buffer's lifetime)."""
+        if not self.fits(step):
+            raise ValueError(f"a decode batch of {step.batch_size} rows does not fit the captured graphs")
+        size = _bucket(self.sizes, step.batch_size)
+        return self._run((size, size), self._pad(size, step), step.batch_size)
 
 
 class ExtendGraphs(_CapturedForwards):
@@ -225,48 +228,47 @@ class ExtendGraphs(_CapturedForwards):
 
     decode = False
 
-    def __init__(self, engine: RadixEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1]):
-        super().__init__(engine, max_rows, max_tokens)
+    def __init__(
+        self, engine: RadixEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1],
+        fused_ops: bool = True,
+    ):
+        super().__init__(engine, max_rows, max_tokens, fused_ops)
         self.row_sizes = bucket_sizes(max_rows)
         self.token_sizes = sorted({t for t in EXTEND_TOKEN_BUCKETS if t < max_tokens} | {max_tokens})
 
-    def fits(self, rows: int, new_tokens: int, prefix_tokens: int) -> bool:
-        """Whether `rows` rows adding `new_tokens` tokens after `prefix_tokens` cached ones can replay."""
-        return rows <= self.max_rows and new_tokens <= self.max_tokens and prefix_tokens <= self.max_kv
-
-    def _pad(self, rows: int, tokens: int, row_slots, new_token_ids, prefix_lens) -> HostBatch:
-        empty = rows - len(new_token_ids)
-        pad = tokens - sum(len(t) for t in new_token_ids)
-        host = pack_batch(
-            [*row_slots, *[_EMPTY] * empty, np.full(pad, self.scratch_slot, dtype=np.int64)],
-            [*new_token_ids, *[_EMPTY] * empty, np.zeros(pad, dtype=np.int64)],
-            [*prefix_lens, *[0] * (empty + 1)],
-            [*[np.array([len(t) - 1]) for t in new_token_ids], *[np.zeros(1, dtype=np.int64)] * empty,
-             _EMPTY],
-            whole_context=not self.capture,
+    def fits(self, step: StepRows) -> bool:
+        """Whether a step of rows that each add at least one token can replay a graph."""
+        return (
+            0 < step.batch_size <= self.max_rows
+            and step.num_tokens <= self.max_tokens
+            and bool(np.all(step.new_lens > 0))
+            and step.last_tokens_only
+            and int(step.prefix_lens.max()) <= self.kv_bound
         )
-        np.clip(host.logits_indices, 0, tokens - 1, out=host.logits_indices)  # empty rows: any real index
-        return host
 
-    def _padding_only(self, key: tuple[int, int]) -> HostBatch:
-        return self._pad(key[0], key[1], [], [], [])
+    def shapes(self) -> list[tuple[int, int]]:
+        return [(r, t) for r in self.row_sizes for t in self.token_sizes if t >= r]
 
-    def run(
-        self, row_slots: Sequence[np.ndarray], new_token_ids: Sequence[np.ndarray], prefix_lens: Sequence[int]
-    ) -> torch.Tensor:
+    def _pad(self, rows: int, tokens: int, step: StepRows) -> StepRows:
+        empty = _padding_rows(rows - step.batch_size)
+        pad = tokens - step.num_tokens
+        offsets = [np.array([n - 1], dtype=np.int64) for n in step.new_lens.tolist()]
+        return StepRows(
+            rows=np.r_[step.rows, empty["rows"], PADDING_ROW],
+            prefix_lens=np.r_[step.prefix_lens, empty["prefix_lens"], 0],
+            new_lens=np.r_[step.new_lens, empty["new_lens"], pad],
+            input_ids=np.r_[step.input_ids, np.zeros(pad, dtype=np.int64)],
+            # an empty row's "last token" is the one before it (a real row's); the padding row has no logits
+            logits_offsets=[*offsets, *[np.full(1, -1, dtype=np.int64)] * len(empty["rows"]), _EMPTY],
+            from_table=step.from_table,
+        )
+
+    def _padding_only(self, key: tuple[int, int]) -> StepRows:
+        return self._pad(key[0], key[1], StepRows.of([], [], []))
+
+    def run(self, step: StepRows) -> torch.Tensor:
         """Computes each row's new tokens after its cached prefix; returns `[B, vocab]` (last tokens)."""
-        new = sum(len(t) for t in new_token_ids)
-        if min(map(len, new_token_ids), default=0) == 0 or not self.fits(len(new_token_ids), new,
-                                                                         sum(prefix_lens)):
+        if not self.fits(step):
             raise ValueError("an extend batch with an empty row or past the captured shapes cannot replay")
-        key = (_bucket(self.row_sizes, len(new_token_ids)), _bucket(self.token_sizes, new))
-        host = self._pad(*key, row_slots, new_token_ids, prefix_lens)
-        return self._run(key, host, len(new_token_ids))
-
-
-def shared_extend_graphs(engine: RadixEngine) -> ExtendGraphs:
-    """The engine's ExtendGraphs, shared by generate and the runner so each shape is captured once."""
-    graphs = _extend_graphs.get(engine)
-    if graphs is None:
-        graphs = _extend_graphs[engine] = ExtendGraphs(engine)
-    return graphs
+        key = (_bucket(self.row_sizes, step.batch_size), _bucket(self.token_sizes, step.num_tokens))
+        return self._run(key, self._pad(*key, step), step.batch_size)

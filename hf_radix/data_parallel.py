@@ -29,12 +29,16 @@ from .distributed import all_gather_json
 from .errors import RequestError, check_error_mode, raise_or_return
 from .request import RequestOutput
 from .routing import CacheAwareRouter
+from .runner import RadixBatchRunner
 from .sampling import SamplingParams
-from .scheduler import RadixBatchRunner, RunnerStats
+from .stats import RadixStats
 
 logger = logging.get_logger(__name__)
 
-_COUNTERS = ("requests", "prompt_tokens", "cached_tokens", "generated_tokens")
+_COUNTERS = (
+    "requests", "prompt_tokens", "cached_tokens", "host_cached_tokens", "computed_tokens", "generated_tokens",
+    "forward_calls",
+)
 
 
 def _fingerprint(token_lists: Sequence[Sequence[int]], extra: Sequence[int]) -> str:
@@ -85,7 +89,7 @@ class DataParallelRunner:
         self.router = CacheAwareRouter(
             self.dp_size, capacities, cache_threshold, balance_abs_threshold, balance_rel_threshold
         )
-        self.stats = RunnerStats()
+        self.stats = RadixStats()
         self.replica_stats: list[dict] = []
         self.last_routes: list[int] = []  # the replica of each input of the last call
 

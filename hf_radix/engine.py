@@ -12,11 +12,13 @@ from transformers.utils import logging
 
 from .attention import make_backend, register
 from .cache_manager import CacheManager
+from .cache_utils import RadixCache
 from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
 from .forward_context import attention_configs, radix_attention, radix_forward
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
+from .model_runner import ModelRunner
 from .placement import (
     PlacedKVPool,
     hidden_output_device,
@@ -25,31 +27,12 @@ from .placement import (
     pool_devices,
     require_one_device,
 )
+from .stats import RadixStats
 from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.get_logger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
-
-
-@dataclass
-class CacheStats:
-    """Prefix-reuse counters of one engine, summed over every path that used it."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    forward_calls: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    def as_dict(self) -> dict:
-        gpu = self.cached_tokens - self.host_cached_tokens
-        return {**asdict(self), "gpu_cached_tokens": gpu, "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True)
@@ -61,12 +44,17 @@ class EngineOptions:
     mem_fraction: float = 0.85
     attn_backend: str = "auto"
     store_backend: str = "auto"
+    cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
+    cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
+    fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels in graphs
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
+        if self.cuda_graph_max_batch < 1:
+            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
 
 
 class RadixEngine:
@@ -81,9 +69,12 @@ class RadixEngine:
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
+        text_config = model.config.get_text_config(decoder=True)
+        self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
+        self.vocab_size = text_config.vocab_size
         # multi-GPU hooks: KV heads of this rank's tensor-parallel shard; per-layer devices of a device map
         self.tp_group = tp_group(model)
-        # One extra page past the managed ones: padded rows of captured decode graphs write there.
+        # One extra page past the managed ones: padded rows of captured graphs write there.
         shape = local_kv_shape(model, support.kv_shape)
         self.pool, num_pages = make_kv_pool(
             model, shape, dtype, device, page_size, self.options.max_total_tokens,
@@ -91,7 +82,7 @@ class RadixEngine:
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
-        self.manager = CacheManager(num_pages, page_size)
+        self.manager = CacheManager(num_pages, page_size, device=device, scratch_slot=self.scratch_slot)
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
@@ -100,10 +91,8 @@ class RadixEngine:
             self.host_tier.attach(self.manager)
         _announce_pool(self.pool, self.pool_tokens, self.options)
         self.backend = make_backend(self.options.attn_backend, device)
-        self.stats = CacheStats()
-        text_config = model.config.get_text_config(decoder=True)
-        self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
-        self.vocab_size = text_config.vocab_size
+        self.stats = RadixStats()
+        self._model_runner: ModelRunner | None = None
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.takes_logits_to_keep = "logits_to_keep" in params
@@ -151,10 +140,19 @@ class RadixEngine:
         """Sampled tokens, the same on every tensor-parallel rank (the first rank's)."""
         return sync_tokens(tokens, self.tp_group)
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The engine's model-runner core with its captured graphs, shared by generate and the runners."""
+        if self._model_runner is None:
+            options = self.options
+            self._model_runner = ModelRunner(
+                self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
+                fused_ops=options.fused_ops,
+            )
+        return self._model_runner
+
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
         """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
-        from .cache_utils import RadixCache
-
         cache = RadixCache(self, batch)
         with self.radix_attention(), radix_forward(cache), torch.inference_mode():
             out = self.model(
@@ -181,6 +179,7 @@ class RadixEngine:
         self.stats.forward_calls += 1
 
     def record_prompt(self, prompt_len: int, cached_len: int, host_len: int = 0) -> None:
+        self.stats.requests += 1
         self.stats.prompt_tokens += prompt_len
         self.stats.cached_tokens += cached_len
         self.stats.host_cached_tokens += host_len
@@ -202,17 +201,21 @@ class RadixEngine:
         self.manager.reset()
 
     def set_backends(self, options: EngineOptions) -> None:
-        """Switches the attention and store backends; the pool and its cached prefixes stay."""
+        """Switches the attention and store backends and graph options; the pool and its cached prefixes stay.
+
+        The model-runner core is rebuilt on next use (its graphs were captured with the old backends).
+        """
         self.backend = make_backend(options.attn_backend, self.device)
         self.pool.store_backend = options.store_backend
         self.options = options
+        self._model_runner = None
 
     def close(self) -> None:
         """Releases the pool and its host tier for good; runners bound to this engine rebind on next use."""
         device = self.device
         if self.host_tier is not None:  # the tier holds the pool
             self.host_tier.detach()
-        self.pool = self.host_tier = None
+        self.pool = self.host_tier = self._model_runner = None  # the runner core holds graph memory
         if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
             torch.cuda.empty_cache()
 
@@ -238,8 +241,9 @@ def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOpti
         logger.info(message)
 
 
-# Options read only by the forward path: a new value replaces the engine's backends and keeps its cache.
-_BACKEND_OPTIONS = ("attn_backend", "store_backend")
+# Options read only by the forward path: a new value replaces the engine's backends (and its model-runner
+# core) and keeps its cache.
+_BACKEND_OPTIONS = ("attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops")
 
 
 def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tqdm.auto import tqdm
 
 if TYPE_CHECKING:
-    from .scheduler import RadixBatchRunner
+    from .runner import RadixBatchRunner
 
 Window = tuple[list[int], list[int]]
 

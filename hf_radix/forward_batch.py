@@ -1,4 +1,4 @@
-"""Metadata of one packed forward: which tokens are new, where their K/V go, which slots each row reads."""
+"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .page_table import PageTable, to_device
+
 
 @dataclass
 class ForwardBatch:
     """A packed `(1, T)` forward over B requests; row i computes positions `prefix_lens[i]:seq_lens[i]`.
 
-    Device tensors are built on the host with numpy and copied once; the `*_host` arrays let the
-    backends size launches without synchronizing.
+    Built on the device from the page table (`build_forward_batch`); the `*_host` arrays let the backends
+    size launches without synchronizing.
     """
 
     input_ids: torch.Tensor  # [T] new token ids
@@ -47,6 +49,68 @@ class ForwardBatch:
         return self.max_new_len == 1 and self.num_tokens == self.batch_size
 
 
+@dataclass
+class StepRows:
+    """The rows of one forward in page-table terms: row i computes positions `prefix_lens[i]:` of table
+    row `rows[i]`, `new_lens[i]` tokens long; `input_ids` are the new tokens, rows concatenated.
+
+    `logits_offsets[i]` selects the offsets (within row i's new tokens) whose logits are wanted; None asks
+    for the last new token of every row. `from_table` lists positions of `input_ids` whose id is not known
+    on the host yet: the row's `next_token` on the device (the token the previous step sampled) is used.
+    """
+
+    rows: np.ndarray
+    prefix_lens: np.ndarray
+    new_lens: np.ndarray
+    input_ids: np.ndarray
+    logits_offsets: list[np.ndarray] | None = None
+    from_table: np.ndarray | None = None
+
+    @classmethod
+    def of(
+        cls,
+        rows: Sequence[int],
+        prefix_lens: Sequence[int],
+        new_token_ids: Sequence[np.ndarray],
+        logits_offsets: Sequence[np.ndarray] | None = None,
+    ) -> StepRows:
+        """Rows given as their new token ids."""
+        return cls(
+            rows=np.asarray(rows, dtype=np.int64),
+            prefix_lens=np.asarray(prefix_lens, dtype=np.int64),
+            new_lens=np.fromiter((len(t) for t in new_token_ids), dtype=np.int64, count=len(new_token_ids)),
+            input_ids=_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]),
+            logits_offsets=None if logits_offsets is None else list(logits_offsets),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool(len(self.rows)) and bool(np.all(self.new_lens == 1))
+
+    @property
+    def last_tokens_only(self) -> bool:
+        """Each row wants the logits of its last new token or none (what a captured graph computes)."""
+        if self.logits_offsets is None:
+            return True
+        pairs = zip(self.logits_offsets, self.new_lens.tolist())
+        return all(len(o) == 0 or (len(o) == 1 and o[0] == n - 1) for o, n in pairs)
+
+    def logits_rows(self) -> np.ndarray | None:
+        """Rows whose last token's logits are wanted (None: all), for a batch with `last_tokens_only`."""
+        if self.logits_offsets is None:
+            return None
+        wanted = np.fromiter((len(o) > 0 for o in self.logits_offsets), dtype=bool, count=len(self.rows))
+        return None if wanted.all() else np.flatnonzero(wanted)
+
+
 def _indptr(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
@@ -57,115 +121,64 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def _to_device(arrays: list[np.ndarray], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """Copies several host arrays to the device in one transfer; returns device views of each."""
-    host = torch.from_numpy(np.concatenate(arrays).astype(np.int64 if dtype == torch.int64 else np.int32))
-    packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    return list(packed.split([len(a) for a in arrays]))
+def gather_contexts(
+    slots: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, indptr: torch.Tensor, total: int
+) -> torch.Tensor:
+    """`slots[rows[i], :lengths[i]]` of every row, concatenated (int64), on the device, without a sync."""
+    if total == 0:
+        return torch.zeros(0, dtype=torch.int64, device=slots.device)
+    row_of = torch.repeat_interleave(rows, lengths, output_size=total)
+    start_of = torch.repeat_interleave(indptr[:-1], lengths, output_size=total)
+    positions = torch.arange(total, device=slots.device) - start_of
+    return slots[row_of, positions].long()
 
 
-@dataclass
-class HostBatch:
-    """The host (numpy) metadata of a packed batch, before it goes to the device; fields as ForwardBatch."""
+def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
+    """The kernels' metadata of `step`, built on the device from the page table.
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    out_loc: np.ndarray
-    kv_indices: np.ndarray
-    prefix_kv_indices: np.ndarray
-    logits_indices: np.ndarray
-    qo_indptr: np.ndarray
-    prefix_lens: np.ndarray
-    seq_lens: np.ndarray
-    kv_indptr: np.ndarray
-    prefix_kv_indptr: np.ndarray
-
-    @property
-    def max_new_len(self) -> int:
-        return int(np.diff(self.qo_indptr).max(initial=0))
-
-
-def pack_batch(
-    row_slots: Sequence[np.ndarray],
-    new_token_ids: Sequence[np.ndarray],
-    prefix_lens: Sequence[int],
-    logits_offsets: Sequence[np.ndarray] | None,
-    *,
-    whole_context: bool = True,
-    prefix_context: bool = True,
-) -> HostBatch:
-    """Packs B rows on the host.
-
-    Row i has context slots `row_slots[i]` (at least `prefix_lens[i] + len(new_token_ids[i])` long) and
-    computes its new tokens at positions starting at `prefix_lens[i]`. `logits_offsets[i]` selects the
-    new-token offsets whose logits are wanted (default: the last new token of each row). The slot lists
-    of whole contexts and of cached prefixes can be skipped (left empty) when no kernel will read them.
+    The host sends O(tokens + rows) numbers (one copy per index width); the slot lists of whole contexts
+    and cached prefixes are gathered from the device table.
     """
-    prefix = np.asarray(prefix_lens, dtype=np.int64)
-    new_lens = np.fromiter((len(t) for t in new_token_ids), dtype=np.int64, count=len(new_token_ids))
-    seq = prefix + new_lens
-    qo_indptr = _indptr(new_lens)
-    positions = np.arange(qo_indptr[-1], dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new_lens)
-    if logits_offsets is None:
+    device = table.device
+    prefix, new = step.prefix_lens, step.new_lens
+    seq = prefix + new
+    qo_indptr, kv_indptr, prefix_indptr = _indptr(new), _indptr(seq), _indptr(prefix)
+    tokens = int(qo_indptr[-1])
+    positions = np.arange(tokens, dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new)
+    token_rows = np.repeat(step.rows, new)
+    if step.logits_offsets is None:
         logits = qo_indptr[1:] - 1
     else:
         logits = _concat(
-            [np.asarray(o, dtype=np.int64) + start for o, start in zip(logits_offsets, qo_indptr)]
+            [np.asarray(o, dtype=np.int64) + start for o, start in zip(step.logits_offsets, qo_indptr)]
         )
-    empty = _concat([])
-    return HostBatch(
-        input_ids=_concat([np.asarray(t, dtype=np.int64) for t in new_token_ids]),
-        positions=positions,
-        out_loc=_concat([slots[p:n] for slots, p, n in zip(row_slots, prefix, seq)]),
-        kv_indices=_concat([s[:n] for s, n in zip(row_slots, seq)]) if whole_context else empty,
-        prefix_kv_indices=_concat([s[:n] for s, n in zip(row_slots, prefix)]) if prefix_context else empty,
-        logits_indices=logits,
-        qo_indptr=qo_indptr,
-        prefix_lens=prefix,
-        seq_lens=seq,
-        kv_indptr=_indptr(seq),
-        prefix_kv_indptr=_indptr(prefix),
-    )
-
-
-def build_forward_batch(
-    row_slots: Sequence[np.ndarray],
-    new_token_ids: Sequence[np.ndarray],
-    prefix_lens: Sequence[int],
-    logits_offsets: Sequence[np.ndarray] | None,
-    device: torch.device,
-) -> ForwardBatch:
-    """Packs B rows into one batch on `device` (arguments as in `pack_batch`)."""
-    return upload_batch(pack_batch(row_slots, new_token_ids, prefix_lens, logits_offsets), device)
-
-
-def upload_batch(host: HostBatch, device: torch.device) -> ForwardBatch:
-    """Copies host metadata to `device` (one transfer per index dtype)."""
-    wide = _to_device(
-        [host.input_ids, host.positions, host.out_loc, host.kv_indices, host.prefix_kv_indices,
-         host.logits_indices],
-        torch.int64,
-        device,
-    )
-    narrow = _to_device(
-        [host.qo_indptr, host.prefix_lens, host.seq_lens, host.kv_indptr, host.prefix_kv_indptr],
-        torch.int32,
-        device,
-    )
+    from_table = _concat([]) if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
+    parts = [
+        step.input_ids, positions, token_rows, logits, from_table, token_rows[from_table], step.rows, seq,
+        prefix, kv_indptr, prefix_indptr,
+    ]
+    wide = to_device(np.concatenate(parts), device).split([len(a) for a in parts])
+    input_ids, positions_d, token_rows_d, logits_d, table_pos, table_rows, rows_d, seq_d, prefix_d = wide[:9]
+    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]
+    narrow = to_device(np.concatenate(narrow_parts), device, torch.int32)
+    sizes = [len(qo_indptr), len(seq), len(seq), len(kv_indptr), len(prefix_indptr)]
+    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow.split(sizes)
+    if len(from_table):
+        input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
     return ForwardBatch(
-        input_ids=wide[0],
-        positions=wide[1],
-        out_loc=wide[2],
-        qo_indptr=narrow[0],
-        prefix_lens=narrow[1],
-        seq_lens=narrow[2],
-        kv_indices=wide[3],
-        kv_indptr=narrow[3],
-        prefix_kv_indices=wide[4],
-        prefix_kv_indptr=narrow[4],
-        logits_indices=wide[5],
-        qo_indptr_host=host.qo_indptr,
-        seq_lens_host=host.seq_lens,
-        max_new_len=host.max_new_len,
-        max_kv_len=int(host.seq_lens.max(initial=0)),
+        input_ids=input_ids,
+        positions=positions_d,
+        out_loc=table.slots[token_rows_d, positions_d].long(),
+        qo_indptr=qo_d,
+        prefix_lens=prefix32,
+        seq_lens=seq32,
+        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], int(kv_indptr[-1])),
+        kv_indptr=kv_indptr32,
+        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], int(prefix_indptr[-1])),
+        prefix_kv_indptr=prefix_indptr32,
+        logits_indices=logits_d,
+        qo_indptr_host=qo_indptr,
+        seq_lens_host=seq,
+        max_new_len=int(new.max(initial=0)),
+        max_kv_len=int(seq.max(initial=0)),
     )

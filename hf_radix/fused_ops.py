@@ -27,7 +27,6 @@ from .kernels import interpreting
 
 logger = logging.get_logger(__name__)
 
-ENABLED = True  # swap in the fused kernels while capturing (benchmarks turn it off to compare)
 _fusing: ContextVar[bool] = ContextVar("hf_radix_fusing", default=False)  # this context is capturing
 
 
@@ -122,19 +121,18 @@ def fused_norm_and_rope(model: torch.nn.Module) -> Iterator[int]:
     undo: list[Callable[[], None]] = []
     token = _fusing.set(True)
     try:
-        if ENABLED:
-            for module in model.modules():
-                # an instance-level forward (an accelerate hook, say) is left alone
-                if "forward" not in vars(module) and _same_code(
-                    type(module).forward, modeling_llama.LlamaRMSNorm.forward
-                ):
-                    module.forward = _norm_forward(module)
-                    undo.append(lambda m=module: vars(m).pop("forward", None))
-            for space in _llama_rope_namespaces(model):
-                original = space.apply_rotary_pos_emb
-                space.apply_rotary_pos_emb = _rope_function(original)
-                undo.append(lambda s=space, f=original: setattr(s, "apply_rotary_pos_emb", f))
-            logger.debug("fused norm/rope kernels swapped in: %d", len(undo))
+        for module in model.modules():
+            # an instance-level forward (an accelerate hook, say) is left alone
+            if "forward" not in vars(module) and _same_code(
+                type(module).forward, modeling_llama.LlamaRMSNorm.forward
+            ):
+                module.forward = _norm_forward(module)
+                undo.append(lambda m=module: vars(m).pop("forward", None))
+        for space in _llama_rope_namespaces(model):
+            original = space.apply_rotary_pos_emb
+            space.apply_rotary_pos_emb = _rope_function(original)
+            undo.append(lambda s=space, f=original: setattr(s, "apply_rotary_pos_emb", f))
+        logger.debug("fused norm/rope kernels swapped in: %d", len(undo))
         yield len(undo)
     finally:
         for restore in reversed(undo):

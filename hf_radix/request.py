@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .radix_tree import MatchHandle
 from .sampling import SamplingParams
 
 
@@ -38,10 +37,10 @@ class Req:
     score_from: int | None = None
     prompt_len: int = 0
     row: int | None = None
-    num_computed: int = 0
+    num_computed: int = 0  # positions whose K/V a launched step computes
+    launched: int = 0  # generated tokens whose sampling has been launched (known or still on the device)
     cached_tokens: int = 0
     host_cached_tokens: int = 0
-    handle: MatchHandle | None = None
     logprob: float = 0.0
     greedy_match: bool = True
     finish_reason: str | None = None
@@ -72,7 +71,16 @@ class Req:
     def logits_offsets(self, start: int, end: int) -> np.ndarray:
         """Offsets within the chunk `[start, end)` whose logits this request needs."""
         if self.score_from is None:
-            wanted = [end - start - 1] if end == len(self.token_ids) else []
+            wanted = [end - start - 1] if end >= self.prompt_len else []
             return np.array(wanted, dtype=np.int64)
         first, last = max(start, self.score_from), min(end, len(self.token_ids) - 1)
         return np.arange(first - start, last - start, dtype=np.int64)
+
+
+def token_id_list(value) -> list[int]:
+    """An EOS-style setting (None, an id, a list or a tensor of ids) as a list of ids."""
+    if value is None:
+        return []
+    if hasattr(value, "reshape"):
+        return [int(t) for t in value.reshape(-1).tolist()]
+    return [int(value)] if isinstance(value, int) else [int(t) for t in value]

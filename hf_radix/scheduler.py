@@ -1,25 +1,32 @@
-"""Continuous batching over the radix engine: cache-aware prefill scheduling, chunked prefill, decode."""
+"""Continuous batching over the radix engine: cache-aware admission, chunked prefill, mixed rounds, overlap.
+
+Every step is one forward holding every running request's decode token plus prefill chunks under the
+token budget (mixed rounds: a request finishing never stalls the others). With overlap on, the host
+schedules and launches step n+1 before it reads step n's sampled tokens: finish checks run one step late,
+and a request that stopped is computed once more and its extra token dropped. Outputs are the same with
+overlap on and off (greedy and seeded sampling).
+"""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
-from .engine import RadixEngine, get_engine
-from .errors import check_error_mode, raise_or_return
-from .forward_batch import build_forward_batch
+from .engine import RadixEngine
+from .forward_batch import StepRows
 from .logprobs import target_logprobs
+from .model_runner import ModelRunner
+from .page_table import to_device
 from .radix_tree import RadixPrefixCache
-from .request import Req, RequestOutput
-from .sampling import Sampler, SamplingParams
+from .request import Req
+from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
 from .stop_strings import StopStringDetector
 
@@ -28,40 +35,26 @@ logger = logging.get_logger(__name__)
 POLICIES = ("lpm", "fcfs")
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
+Item = tuple[Req, int, int]  # a request and the positions [start, end) a step computes for it
+
 
 @dataclass
-class RunnerStats:
-    """Counters summed over every `run`/scoring call of one runner."""
+class _Launched:
+    """A step whose results are still on the device: sampled tokens and scores, copied back without a wait."""
 
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    host_cached_tokens: int = 0  # of cached_tokens, copied back from the host tier
-    generated_tokens: int = 0
-    wall_time: float = 0.0
+    sampled: list[Req]
+    tokens: torch.Tensor | None  # host copy of the sampled tokens (pinned on CUDA)
+    scored: list[tuple[Req, int, bool]]  # scoring requests, how many scores are theirs, whether the last
+    scores: tuple[torch.Tensor, torch.Tensor] | None  # host copies: log-probs, greedy matches
+    done: torch.cuda.Event | None
 
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
-    @property
-    def gpu_cached_tokens(self) -> int:
-        """Of cached_tokens, those found on the GPU (the rest came back from the host tier)."""
-        return self.cached_tokens - self.host_cached_tokens
+@dataclass
+class StepTimes:
+    """Per decode step: host seconds to schedule and launch it, and (when profiled) GPU seconds."""
 
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time."""
-        return self.generated_tokens / self.wall_time if self.wall_time else 0.0
-
-    def __repr__(self) -> str:
-        return (
-            f"RunnerStats(requests={self.requests}, prompt_tokens={self.prompt_tokens}, "
-            f"cached_tokens={self.cached_tokens}, host_cached_tokens={self.host_cached_tokens}, "
-            f"hit_rate={self.hit_rate:.3f}, "
-            f"generated_tokens={self.generated_tokens}, wall_time={self.wall_time:.2f}s, "
-            f"tokens_per_s={self.tokens_per_s:.1f})"
-        )
+    host_s: list[float] = field(default_factory=list)
+    gpu_s: list[float] = field(default_factory=list)
 
 
 class Scheduler:
@@ -70,12 +63,14 @@ class Scheduler:
     def __init__(
         self,
         engine: RadixEngine,
+        model_runner: ModelRunner,
         eos_token_ids: Sequence[int],
         tokenizer=None,
         max_running_requests: int = 256,
         chunked_prefill_size: int = 8192,
         schedule_policy: str = "lpm",
-        cuda_graph: bool = True,
+        overlap: bool = True,
+        profile: bool = False,
     ):
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -83,21 +78,22 @@ class Scheduler:
             raise ValueError("max_running_requests and chunked_prefill_size must be >= 1")
         self.engine = engine
         self.manager = engine.manager
+        self.model_runner = model_runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
+        self.overlap = overlap
+        self.profile = profile and engine.device.type == "cuda"
         self.sampler = Sampler(engine.device)
         self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
-        self.decode_graphs: DecodeGraphs | None = None
-        self.extend_graphs: ExtendGraphs | None = None  # small prefill rounds of generation requests
-        if cuda_graph and engine.captures_graphs:
-            self.decode_graphs = DecodeGraphs(engine, max_running_requests)
-            self.extend_graphs = shared_extend_graphs(engine)
         self.pending: deque[Req] | PrefixAwareQueue = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
+        self.draining: list[Req] = []  # every token launched; waiting for the last results
+        self.step_times = StepTimes()
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- entry point ---------------------------------------------------------------------------------
     def run(self, reqs: list[Req], progress: bool) -> None:
@@ -106,33 +102,41 @@ class Scheduler:
         if self.schedule_policy == "lpm":
             manager = self.manager
             self.pending = PrefixAwareQueue(
-                ready, manager.cached_len, lambda: manager.evicted_tokens
+                ready, manager.gpu_cached_len, lambda: manager.evicted_tokens
             )
         else:
             self.pending = deque(ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self._bar = bar
+        in_flight: _Launched | None = None
         try:
-            while self.pending or self.prefilling or self.running:
-                items = self._schedule_prefill()
-                if items:
-                    self._forward_prefill(items)
-                elif self.running:
-                    self._forward_decode()
-                else:
+            while self.pending or self.prefilling or self.running or self.draining:
+                started = time.perf_counter()
+                items = self._schedule()
+                launched = self._launch(items, started) if items else None
+                previous, in_flight = in_flight, None
+                if previous is not None:
+                    self._complete(previous)
+                if launched is not None and self.overlap:
+                    in_flight = launched
+                elif launched is not None:
+                    self._complete(launched)
+                elif previous is None:  # nothing runs, nothing will free pages: the head cannot fit
                     req = self.pending.popleft()
                     self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
                     bar.update(1)
         except BaseException:
-            for req in [*self.prefilling, *self.running]:
+            for req in [*self.prefilling, *self.running, *self.draining]:
                 self._release(req, "abort", None)
             self.pending.clear()
             self.prefilling.clear()
             self.running.clear()
+            self.draining.clear()
             raise
         finally:
             bar.close()
+            self._collect_gpu_times()
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             logger.warning("%d of %d requests failed; first: %s", len(failed), len(reqs), failed[0].error)
@@ -168,15 +172,16 @@ class Scheduler:
     def _reserved_tokens(self, reqs: Iterable[Req]) -> int:
         """Tokens that admitted requests may still allocate until they finish."""
         ps = self.manager.page_size
-        return sum(self.manager.pages_for(len(self.manager.row_slots(r.row)), r.final_len) * ps for r in reqs)
+        return sum(self.manager.pages_for(self.manager.row_len(r.row), r.final_len) * ps for r in reqs)
 
-    def _schedule_prefill(self) -> list[tuple[Req, int, int]]:
-        """Picks prefill chunks under the token budget, keeping room for what running requests will decode."""
-        if not self.pending and not self.prefilling:
-            return []
-        budget = self.chunked_prefill_size
+    def _schedule(self) -> list[Item]:
+        """One step: every running request's next token, then prefill chunks under the token budget
+        (which counts both), keeping room for what admitted requests will still decode."""
+        items: list[Item] = [(r, r.num_computed, r.num_computed + 1) for r in self.running]
+        budget = self.chunked_prefill_size - len(items)
+        if not self.pending and not self.prefilling or budget <= 0:
+            return items
         reserved = self._reserved_tokens([*self.running, *self.prefilling])
-        items: list[tuple[Req, int, int]] = []
         in_batch = RadixPrefixCache(page_size=1)
         for req in self.prefilling:
             if budget <= 0:
@@ -187,14 +192,13 @@ class Scheduler:
             self._note_in_batch(in_batch, req, end)
         deferred: list[Req] = []
         ps = self.manager.page_size
-        while self.pending and budget > 0 and self._active() + len(items) < self.max_running_requests:
+        while self.pending and budget > 0 and self._active() < self.max_running_requests:
             req = self.pending[0]
             handle = self.manager.match(req.match_ids)
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
             if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
-                deferred.append(
-                    self.pending.popleft()
-                )  # a batch-mate computes this prefix; reuse it next round
+                deferred.append(self.pending.popleft())  # a batch-mate computes this prefix this step
+
                 continue
             need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > self.manager.available_size:
@@ -225,112 +229,131 @@ class Scheduler:
     def _active(self) -> int:
         return len(self.running) + len(self.prefilling)
 
-    # -- forwards ------------------------------------------------------------------------------------
-    def _forward(self, items: list[tuple[Req, int, int]]) -> torch.Tensor:
-        """Computes `items` (request, start, end); returns the logits their `logits_offsets` ask for."""
-        rows = [req.row for req, _, _ in items]
-        self.manager.allocate(rows, [end for _, _, end in items])
-        logits = self._graph_forward(items)
-        if logits is not None:
-            return logits
-        batch = build_forward_batch(
-            [self.manager.row_slots(r) for r in rows],
-            [np.asarray(req.token_ids[start:end]) for req, start, end in items],
-            [start for _, start, _ in items],
-            [req.logits_offsets(start, end) for req, start, end in items],
-            self.engine.device,
+    # -- launching a step ----------------------------------------------------------------------------
+    def _step_rows(self, items: list[Item]) -> StepRows:
+        """The step in page-table terms; decode tokens are read on the device (the last step sampled them)."""
+        n = len(items)
+        starts = np.fromiter((s for _, s, _ in items), dtype=np.int64, count=n)
+        ends = np.fromiter((e for _, _, e in items), dtype=np.int64, count=n)
+        decoding = len(self.running)  # the first items: one token each, sampled by the step before
+        prefill_ids = [np.asarray(req.token_ids[s:e], dtype=np.int64) for req, s, e in items[decoding:]]
+        input_ids = np.concatenate([np.zeros(decoding, dtype=np.int64), *prefill_ids])
+        offsets = None
+        if any(req.score_from is not None or e < req.prompt_len for req, _, e in items[decoding:]):
+            offsets = [req.logits_offsets(s, e) for req, s, e in items]
+        return StepRows(
+            rows=np.fromiter((req.row for req, _, _ in items), dtype=np.int64, count=n),
+            prefix_lens=starts,
+            new_lens=ends - starts,
+            input_ids=input_ids,
+            logits_offsets=offsets,
+            from_table=np.arange(decoding, dtype=np.int64),
         )
-        return self.engine.forward(batch)
 
-    def _graph_forward(self, items: list[tuple[Req, int, int]]) -> torch.Tensor | None:
-        """A small round of generation requests by extend-graph replay (None: it must run eagerly)."""
-        graphs = self.extend_graphs
-        new = [end - start for _, start, end in items]
-        if (
-            graphs is None
-            or any(req.score_from is not None for req, _, _ in items)
-            or min(new) == 0
-            or not graphs.fits(len(items), sum(new), sum(start for _, start, _ in items))
-        ):
-            return None
-        logits = graphs.run(
-            [self.manager.row_slots(req.row) for req, _, _ in items],
-            [np.asarray(req.token_ids[start:end]) for req, start, end in items],
-            [start for _, start, _ in items],
-        )
-        self.engine.record_forward(sum(new))
-        # a copy (the graph's buffer is overwritten by the next replay) of the rows that sample a token
-        return logits[[i for i, (req, _, end) in enumerate(items) if end == len(req.token_ids)]]
-
-    def _forward_prefill(self, items: list[tuple[Req, int, int]]) -> None:
-        logits = self._forward(items)
-        scored, sampled, offset = [], [], 0
-        for req, start, end in items:
-            offsets = req.logits_offsets(start, end)
-            rows = slice(offset, offset + len(offsets))
-            offset += len(offsets)
-            req.num_computed = end
-            if req.score_from is not None:
-                scored.append((req, rows, np.asarray(req.token_ids[start + 1 : end + 1])[offsets]))
-            elif req.prefilled:
-                sampled.append((req, rows.start))
-        self._accumulate_scores(logits, scored)
-        with self.manager.lazy_free_region():
-            for req, _, _ in items:
-                if not req.prefilled:
-                    self.manager.cache_req(req.row, req.token_ids, req.num_computed, finished=False)
-                    continue
-                self.prefilling.remove(req)
-                if req.score_from is not None:
-                    self._release(req, "length", None)
-                else:
-                    self.manager.cache_req(req.row, req.token_ids, req.num_computed, finished=False)
-                    self.running.append(req)
-            if sampled:
-                self._append_tokens([r for r, _ in sampled], logits[[i for _, i in sampled]])
-
-    def _forward_decode(self) -> None:
-        reqs = list(self.running)
-        graphs = self.decode_graphs
-        if graphs is None or not graphs.fits(len(reqs), sum(r.num_computed + 1 for r in reqs)):
-            logits = self._forward([(r, r.num_computed, r.num_computed + 1) for r in reqs])
-        else:
-            rows = [r.row for r in reqs]
-            self.manager.allocate(rows, [r.num_computed + 1 for r in reqs])
-            logits = self.decode_graphs.run(
-                [self.manager.row_slots(row) for row in rows],
-                [r.token_ids[r.num_computed] for r in reqs],
-                [r.num_computed for r in reqs],
-            )
-            self.engine.record_forward(len(reqs))
-        for req in reqs:
-            req.num_computed += 1
-        with self.manager.lazy_free_region():
-            self._append_tokens(reqs, logits)
-
-    def _accumulate_scores(self, logits: torch.Tensor, scored: list) -> None:
-        if not scored:
-            return
-        index = torch.cat([torch.arange(s.start, s.stop) for _, s, _ in scored]).to(logits.device)
-        targets = torch.from_numpy(np.concatenate([t for _, _, t in scored])).to(logits.device)
-        logp, greedy = target_logprobs(logits, index, targets)
-        logp_host, greedy_host = logp.double().cpu().numpy(), greedy.cpu().numpy()
+    def _launch(self, items: list[Item], started: float) -> _Launched:
+        """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
+        self.manager.allocate([req.row for req, _, _ in items], [end for _, _, end in items])
+        step = self._step_rows(items)
+        decode = step.is_decode
+        timer = None
+        if self.profile and decode:
+            timer = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            timer[0].record()
+        logits = self.model_runner.forward(step)
+        sampled: list[Req] = []
+        sample_rows: list[int] = []
+        scored: list[tuple[Req, np.ndarray, bool]] = []
+        score_rows: list[np.ndarray] = []
         offset = 0
-        for req, rows, _ in scored:
-            n = rows.stop - rows.start
-            req.logprob += float(logp_host[offset : offset + n].sum())
-            req.greedy_match &= bool(greedy_host[offset : offset + n].all())
-            offset += n
+        for req, start, end in items:
+            count = len(req.logits_offsets(start, end)) if step.logits_offsets is not None else 1
+            if req.score_from is not None:
+                targets = np.asarray(req.token_ids[start + 1 : end + 1])[req.logits_offsets(start, end)]
+                scored.append((req, targets, end == req.prompt_len))
+                score_rows.append(np.arange(offset, offset + count))
+            elif count:
+                sampled.append(req)
+                sample_rows.append(offset)
+            offset += count
+        tokens_host = None
+        if sampled:
+            chosen = logits
+            if len(sample_rows) != len(logits):
+                chosen = logits[to_device(np.array(sample_rows), logits.device)]
+            tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
+            tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
+            self.manager.table.set_next_tokens(
+                to_device(np.fromiter((r.row for r in sampled), dtype=np.int64), logits.device), tokens
+            )
+            tokens_host = _copy_to_host(tokens)
+        scores = self._scores(logits, score_rows, [t for _, t, _ in scored]) if scored else None
+        done = None
+        if self.engine.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        if timer is not None:
+            timer[1].record()
+            self._timed.append(timer)
+        self._advance(items)
+        if decode:
+            self.step_times.host_s.append(time.perf_counter() - started)
+        return _Launched(sampled, tokens_host, [(r, len(t), last) for r, t, last in scored], scores, done)
 
-    def _append_tokens(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = self.sampler.sample(logits, [r.params for r in reqs], [r.index for r in reqs])
-        tokens = self.engine.sync_sampled(tokens).tolist()  # tensor parallel: the same on every rank
-        for req, token in zip(reqs, tokens):
-            req.token_ids.append(token)
-            reason = self._finish_reason(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._release(req, reason, None)
+    def _advance(self, items: list[Item]) -> None:
+        """Host state after launching a step: what is computed, which requests prefill, decode or drain."""
+        with self.manager.lazy_free_region():
+            for req, _, end in items:
+                req.num_computed = end
+                if not req.prefilled:
+                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
+                    continue
+                if req.score_from is not None:  # cached now for later steps; released with its scores
+                    self.prefilling.remove(req)
+                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
+                    self.draining.append(req)
+                    continue
+                if req in self.prefilling:
+                    self.prefilling.remove(req)
+                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
+                    self.running.append(req)
+                req.launched += 1
+                limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
+                if req.launched >= limit:
+                    self.running.remove(req)
+                    self.draining.append(req)
+
+    def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
+        index = to_device(np.concatenate(rows), logits.device)
+        target = to_device(np.concatenate(targets), logits.device)
+        logp, greedy = target_logprobs(logits, index, target)
+        return _copy_to_host(logp.double()), _copy_to_host(greedy)
+
+    # -- completing a step ---------------------------------------------------------------------------
+    def _complete(self, launched: _Launched) -> None:
+        """Reads a step's results (waiting only for that step) and finishes the requests that are done."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        with self.manager.lazy_free_region():
+            if launched.scores is not None:
+                logp, greedy = launched.scores[0].numpy(), launched.scores[1].numpy()
+                offset = 0
+                for req, n, last in launched.scored:
+                    req.logprob += float(logp[offset : offset + n].sum())
+                    req.greedy_match &= bool(greedy[offset : offset + n].all())
+                    offset += n
+                    if last:
+                        self.draining.remove(req)
+                        self._release(req, "length", None)
+            if launched.tokens is None:
+                return
+            for req, token in zip(launched.sampled, launched.tokens.tolist()):
+                if req.finish_reason is not None:
+                    continue  # it stopped a step earlier: this token was computed past its end
+                req.token_ids.append(token)
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    (self.running if req in self.running else self.draining).remove(req)
+                    self._release(req, reason, None)
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.params
@@ -343,11 +366,21 @@ class Scheduler:
             return "length"
         return None
 
+    def _collect_gpu_times(self) -> None:
+        if self._timed:
+            self._timed[-1][1].synchronize()
+            self.step_times.gpu_s.extend(a.elapsed_time(b) / 1e3 for a, b in self._timed)
+            self._timed.clear()
+
     # -- exits ---------------------------------------------------------------------------------------
     def _release(self, req: Req, reason: str, error: str | None) -> None:
-        """The single exit of an admitted request: cache what is reusable, free the rest, unlock."""
+        """The single exit of an admitted request: cache what is reusable, free the rest, unlock.
+
+        A generated request's last token has no K/V of its own (or only from a step past its end).
+        """
         if req.row is not None:
-            self.manager.release_row(req.row, req.token_ids, req.num_computed)
+            known = len(req.token_ids) - (1 if req.generated else 0)
+            self.manager.cache_req(req.row, req.token_ids, min(req.num_computed, known), finished=True)
             req.row = None
         self.sampler.drop(req.index)
         if self.stop_strings is not None:
@@ -362,200 +395,10 @@ class Scheduler:
         return False
 
 
-def _eos_ids(model, tokenizer) -> list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return [eos] if isinstance(eos, int) else list(eos)
-
-
-class RadixBatchRunner:
-    """Offline continuous-batching engine with radix prefix reuse across prompts and across calls.
-
-    >>> runner = RadixBatchRunner(model, tokenizer)
-    >>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))
-
-    Pool options left at None keep the model's engine (shared with `generate`) as configured, or take the
-    defaults page_size=1, mem_fraction=0.85, attn_backend="auto"; options that differ rebuild an idle engine.
-    """
-
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        page_size: int | None = None,
-        max_total_tokens: int | None = None,
-        mem_fraction: float | None = None,
-        max_running_requests: int = 256,
-        chunked_prefill_size: int = 8192,
-        schedule_policy: str = "lpm",
-        attn_backend: str | None = None,
-        cuda_graph: bool = True,
-        host_cache_tokens: int | None = None,
-        host_cache_gb: float | None = None,
-    ):
-        options = dict(
-            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
-            attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
-        )
-        self.engine = get_engine(model, **{k: v for k, v in options.items() if v is not None})
-        self.model = model
-        self.tokenizer = tokenizer
-        self.stats = RunnerStats()
-        self._scheduler_args = (
-            _eos_ids(model, tokenizer), tokenizer, max_running_requests, chunked_prefill_size,
-            schedule_policy, cuda_graph,
-        )
-        self._scheduler = Scheduler(self.engine, *self._scheduler_args)
-
-    # -- inputs --------------------------------------------------------------------------------------
-    def _tokenize(self, prompts: Iterable) -> list[list[int]]:
-        prompts = list(prompts)
-        if not prompts:
-            return []
-        if all(isinstance(p, str) for p in prompts):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: RadixBatchRunner(model, tokenizer)")
-            return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
-        out = []
-        for p in prompts:
-            if isinstance(p, str):
-                raise ValueError("mix of string and token-id prompts; pass one kind")
-            out.append([int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)])
-        return out
-
-    def _execute(self, reqs: list[Req], progress: bool | None) -> None:
-        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
-            self.engine = get_engine(self.model)
-            self._scheduler = Scheduler(self.engine, *self._scheduler_args)
-        with self.engine.lock:  # radix calls of other threads on this engine finish first
-            self._execute_locked(reqs, progress)
-
-    def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
-        show = len(reqs) >= 32 if progress is None else progress
-        start = time.perf_counter()
-        stats = self.engine.stats
-        before = stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens
-        try:
-            self._scheduler.run(reqs, show)
-        finally:
-            self.stats.wall_time += time.perf_counter() - start
-            self.stats.requests += len(reqs)
-            self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
-            self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
-            self.stats.host_cached_tokens += self.engine.stats.host_cached_tokens - before[2]
-            generated = sum(len(r.generated) for r in reqs if r.score_from is None)
-            self.stats.generated_tokens += generated
-            self.engine.stats.generated_tokens += generated
-
-    # -- public API ----------------------------------------------------------------------------------
-    def run(
-        self,
-        prompts: Iterable,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        progress: bool | None = None,
-        errors: str = "return",
-    ) -> list[RequestOutput]:
-        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
-
-        A bad request fails alone: its output has `finish_reason="error"` and the message in `error`;
-        `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
-        """
-        check_error_mode(errors)
-        token_lists = self._tokenize(prompts)
-        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
-        if isinstance(params, SamplingParams):
-            params = [params] * len(token_lists)
-        params = list(params)
-        if len(params) != len(token_lists):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
-        reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
-        self._execute(reqs, progress)
-        outputs = [self._output(r) for r in reqs]
-        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
-        return raise_or_return(outputs, failures, errors, "requests")
-
-    def _output(self, req: Req) -> RequestOutput:
-        tokens = req.generated
-        text = None
-        if self.tokenizer is not None and req.finish_reason != "error":
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            for stop in req.params.stop:
-                cut = text.find(stop)
-                if cut >= 0:
-                    text = text[:cut]
-        return RequestOutput(
-            prompt_token_ids=req.token_ids[: req.prompt_len],
-            token_ids=list(tokens),
-            text=text,
-            cached_tokens=req.cached_tokens,
-            host_cached_tokens=req.host_cached_tokens,
-            finish_reason=req.finish_reason,
-            error=req.error,
-        )
-
-    def loglikelihood(
-        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
-    ) -> list[tuple[float, bool] | None]:
-        """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
-
-        Contexts shared between pairs are computed once; logits are computed only at continuation positions.
-        A bad pair fails alone: `errors="raise"` raises a `RequestError` (a ValueError carrying every message
-        and the other results) after the others completed; `errors="return"` returns None in its place.
-        """
-        check_error_mode(errors)
-        pairs = list(pairs)
-        contexts = self._tokenize([c for c, _ in pairs])
-        continuations = self._tokenize_continuations(pairs)
-        reqs = []
-        score = SamplingParams(max_new_tokens=0)
-        for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
-            req = Req(i, ctx + cont, score, score_from=len(ctx) - 1)
-            if not ctx or not cont:
-                Scheduler._fail(req, "context and continuation must both be non-empty")
-            reqs.append(req)
-        self._execute([r for r in reqs if r.finish_reason is None], progress)
-        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
-        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
-        return raise_or_return(results, failures, errors, "scoring requests")
-
-    def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
-        """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
-        from .evaluation import loglikelihood_rolling
-
-        return loglikelihood_rolling(self, texts, progress)
-
-    def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
-        conts = [c for _, c in pairs]
-        if conts and all(isinstance(c, str) for c in conts):
-            if self.tokenizer is None:
-                raise ValueError("string continuations need a tokenizer")
-            return [list(ids) for ids in self.tokenizer(conts, add_special_tokens=False)["input_ids"]]
-        return self._tokenize(conts)
-
-    def check_integrity(self) -> None:
-        """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""
-        self.engine.check_integrity()
-
-    def reset_cache(self) -> None:
-        """Drops every cached prefix."""
-        self.engine.reset_cache()
-
-    def save_cache(self, path) -> dict:
-        """Writes the prefix cache (tree + K/V of its pages) to a safetensors file; refused while running.
-
-        Returns {"tokens", "bytes", "seconds", "gb_per_s"}.
-        """
-        from .cache_io import save_cache
-
-        return save_cache(self.engine, path)
-
-    def load_cache(self, path) -> dict:
-        """Adds the prefixes of a file written by `save_cache` (same model, dtype and page size), most
-        recently used first while free pages last; a mismatched or damaged file raises CacheFileError
-        and changes nothing."""
-        from .cache_io import load_cache
-
-        return load_cache(self.engine, path)
+def _copy_to_host(values: torch.Tensor) -> torch.Tensor:
+    """Starts copying `values` to the host (pinned memory on CUDA); read it after the step's event."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host

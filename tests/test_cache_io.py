@@ -198,7 +198,7 @@ def test_save_and_load_are_refused_while_requests_run(tmp_path):
         runner.save_cache(tmp_path / "other.safetensors")
     with pytest.raises(RuntimeError, match="running"):
         runner.load_cache(path)
-    manager.release_row(row, _prompts()[0], handle.cached_len)
+    manager.cache_req(row, _prompts()[0], handle.cached_len, finished=True)
     runner.check_integrity()
 
 

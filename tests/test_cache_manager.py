@@ -20,7 +20,7 @@ def _finish(manager: CacheManager, tokens: list[int]) -> None:
     """Runs one request to completion: all its tokens computed, then released."""
     row = _start(manager, tokens)
     manager.allocate([row], [len(tokens)])
-    manager.release_row(row, tokens, len(tokens))
+    manager.cache_req(row, tokens, len(tokens), finished=True)
 
 
 def test_allocation_under_pressure_evicts_exactly_enough():
@@ -34,7 +34,7 @@ def test_allocation_under_pressure_evicts_exactly_enough():
     assert manager.tree.size_info.total_size == 28
     manager.check_integrity()
     assert [manager.tree.match_prefix([f, 1, 2, 3]).cached_len for f in range(3)] == [0, 0, 0]  # LRU first
-    manager.release_row(row, [99] * 11, 0)
+    manager.cache_req(row, [99] * 11, 0, finished=True)
     manager.check_integrity()
 
 
@@ -48,8 +48,8 @@ def test_locked_prefix_is_never_evicted():
         manager.allocate([other], [6])  # 3 pages needed, 2 free, the 2 cached pages are locked
     manager.check_integrity()
     manager.allocate([other], [4])
-    manager.release_row(other, [7] * 5, 0)
-    manager.release_row(row, [1, 2, 3, 4, 5], 4)
+    manager.cache_req(other, [7] * 5, 0, finished=True)
+    manager.cache_req(row, [1, 2, 3, 4, 5], 4, finished=True)
     manager.check_integrity()
 
 
@@ -66,7 +66,7 @@ def test_duplicate_prefix_requests_free_their_duplicate_pages():
     assert manager.num_free_pages == 16 - 4 - 2  # tree pages + one tail page per row
     assert np.array_equal(manager.row_slots(rows[1])[:8], first_slots)  # row now reads the tree's slots
     for row in rows:
-        manager.release_row(row, tokens, 9)
+        manager.cache_req(row, tokens, 9, finished=True)
     manager.check_integrity()
     assert manager.num_free_pages == 16 - 4 and manager.num_rows == 0
 
@@ -75,9 +75,9 @@ def test_abort_and_finish_release_everything():
     manager = CacheManager(num_pages=32, page_size=4)
     rows = [_start(manager, list(range(i, i + 14))) for i in range(3)]
     manager.allocate(rows, [14, 14, 14])
-    manager.release_row(rows[0], list(range(0, 14)), 14)  # finish
-    manager.release_row(rows[1], list(range(1, 15)), 0)  # abort before anything was computed
-    manager.release_row(rows[2], list(range(2, 16)), 6)  # abort mid-prefill
+    manager.cache_req(rows[0], list(range(0, 14)), 14, finished=True)  # finish
+    manager.cache_req(rows[1], list(range(1, 15)), 0, finished=True)  # abort before anything was computed
+    manager.cache_req(rows[2], list(range(2, 16)), 6, finished=True)  # abort mid-prefill
     manager.check_integrity()
     assert manager.num_rows == 0
     assert manager.tree.size_info.protected_size == 0
@@ -90,7 +90,7 @@ def test_lazy_free_region_defers_frees():
     row = _start(manager, [1, 2, 3])
     manager.allocate([row], [3])
     with manager.lazy_free_region():
-        manager.release_row(row, [1, 2, 3], 1)
+        manager.cache_req(row, [1, 2, 3], 1, finished=True)
         assert manager.num_free_pages == 5
     assert manager.num_free_pages == 7
     manager.check_integrity()
@@ -109,11 +109,11 @@ def test_bad_calls_raise_and_change_nothing():
     with pytest.raises(ValueError):
         manager.cache_req(row, [1, 2, 3], 5, finished=True)
     manager.check_integrity()
-    manager.release_row(row, [1, 2, 3], 3)
+    manager.cache_req(row, [1, 2, 3], 3, finished=True)
     with pytest.raises(RuntimeError):
         other = _start(manager, [4, 5])
         manager.reset()
-    manager.release_row(other, [4, 5], 0)
+    manager.cache_req(other, [4, 5], 0, finished=True)
     manager.reset()
     manager.check_integrity()
 
@@ -145,12 +145,12 @@ def test_random_lifecycles_never_hand_out_a_page_twice(page_size: int, ops):
                 running.append((row, tokens + [0] * extra, computed))
         if finish_one and running:
             row, toks, computed = running.pop(0)
-            manager.release_row(row, toks, computed)
+            manager.cache_req(row, toks, computed, finished=True)
         manager.check_integrity()
         owned = [manager.row_slots(r)[manager.row_cached_len(r) :] for r, _, _ in running]
         owned = np.concatenate(owned or [np.zeros(0, np.int64)])
         assert len(np.unique(owned)) == len(owned)
     for row, toks, computed in running:
-        manager.release_row(row, toks, computed)
+        manager.cache_req(row, toks, computed, finished=True)
     manager.check_integrity()
     assert manager.num_rows == 0

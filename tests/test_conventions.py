@@ -176,7 +176,7 @@ def test_pool_options_do_not_change_under_running_requests():
         with pytest.raises(RuntimeError, match="while requests are running"):
             hf_radix.configure(model, **options)
     assert hf_radix.get_engine(model) is engine and not engine.closed
-    engine.manager.release_row(row, [5, 6, 7], 0)
+    engine.manager.cache_req(row, [5, 6, 7], 0, finished=True)
     engine.check_integrity()
 
 

@@ -8,7 +8,7 @@ import torch
 from conftest import fresh_model, hf_logits, random_ids
 
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.forward_batch import build_forward_batch
+from hf_radix.forward_batch import StepRows, build_forward_batch
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 
@@ -17,13 +17,13 @@ def _forward_rows(engine: RadixEngine, rows: list[tuple[int, list[int], int]]) -
     """Forwards rows (row id, all token ids, first new position); returns logits of every new position."""
     manager = engine.manager
     manager.allocate([r for r, _, _ in rows], [len(ids) for _, ids, _ in rows])
-    batch = build_forward_batch(
-        [manager.row_slots(r) for r, _, _ in rows],
-        [np.asarray(ids[start:]) for _, ids, start in rows],
+    step = StepRows.of(
+        [r for r, _, _ in rows],
         [start for _, _, start in rows],
+        [np.asarray(ids[start:]) for _, ids, start in rows],
         [np.arange(len(ids) - start) for _, ids, start in rows],
-        engine.device,
     )
+    batch = build_forward_batch(manager.table, step)
     logits = engine.forward(batch)
     out, offset = [], 0
     for _, ids, start in rows:
@@ -73,6 +73,6 @@ def test_packed_forward_matches_hf(arch: str, page_size: int):
     torch.testing.assert_close(got_a1, hf_logits(model, a_next)[-1:], atol=1e-4, rtol=0)
 
     for row, ids in [(row_a, a_next), (row_b, b), (row_c, c_next)]:
-        engine.manager.release_row(row, ids, len(ids))
+        engine.manager.cache_req(row, ids, len(ids), finished=True)
     engine.check_integrity()
     assert engine.manager.num_rows == 0

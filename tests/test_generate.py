@@ -19,7 +19,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
-from hf_radix import generation
+from hf_radix import generate_session
 from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.engine import _ENGINE_ATTR
 from hf_radix.tiny import tiny_model
@@ -129,7 +129,7 @@ def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
     def refuse(*args, **kwargs):
         raise AssertionError("RadixGenerateCache built for a default generate call")
 
-    monkeypatch.setattr(generation.RadixGenerateCache, "__init__", refuse)
+    monkeypatch.setattr(generate_session.RadixGenerateCache, "__init__", refuse)
     model = fresh_model("llama")
     prompts = [random_ids(gen, 7), random_ids(gen, 4)]
     _generate(model, prompts, False, max_new_tokens=3)
@@ -424,7 +424,8 @@ def test_decode_steps_and_short_prefills_go_through_the_graph_runners(monkeypatc
     engine = hf_radix.get_engine(model)
     decode, extend = DecodeGraphs(engine, max_batch=4), ExtendGraphs(engine, max_rows=4, max_tokens=32)
     assert not decode.capture and extend.token_sizes == [16, 32] and extend.row_sizes == [1, 2, 4]
-    monkeypatch.setattr(generation, "_engine_graphs", lambda engine: (decode, extend))
+    monkeypatch.setattr(engine.model_runner, "decode_graphs", decode)
+    monkeypatch.setattr(engine.model_runner, "extend_graphs", extend)
     shared = random_ids(gen, 12)
     prompts = [shared + random_ids(gen, 3), random_ids(gen, 3), shared + random_ids(gen, 1)]
     _both(model, prompts, max_new_tokens=6, eos_token_id=None)

@@ -7,7 +7,7 @@ import torch
 from conftest import random_ids
 
 import hf_radix
-from hf_radix import RadixBatchRunner, SamplingParams, generation
+from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -46,7 +46,7 @@ def test_runner_greedy_matches_generate_on_gpu(arch: str, page_size: int, cuda_g
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _hf_greedy(model, prompt, 10)
     if cuda_graph:  # prefill rounds of <= 64 tokens replay extend graphs
-        assert runner._scheduler.extend_graphs.replays > 0
+        assert runner.model_runner.extend_graphs.replays > 0
     again = runner.run(prompts, SamplingParams(max_new_tokens=10))
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert all(o.cached_tokens > 0 for o in again if len(o.prompt_token_ids) > page_size + 1)
@@ -78,7 +78,7 @@ def test_generate_radix_matches_default_on_gpu():
     assert hf_radix.cache_stats(model)["cached_tokens"] > 0
     engine = hf_radix.get_engine(model)
     engine.check_integrity()
-    decode, extend = generation._engine_graphs(engine)
+    decode, extend = engine.model_runner.decode_graphs, engine.model_runner.extend_graphs
     assert extend.replays == 1 and decode.replays == 2 * 7 + 1  # the second call's prompts were cached
 
 
@@ -95,7 +95,7 @@ def test_generate_short_prefills_after_a_cached_prefix_replay_graphs(page_size: 
         prompt = prefix + question
         answers.append(_hf_greedy_radix(model, prompt, 4))
         assert answers[-1] == _hf_greedy(model, prompt, 4)
-    decode, extend = generation._engine_graphs(engine)
+    decode, extend = engine.model_runner.decode_graphs, engine.model_runner.extend_graphs
     assert extend.replays == len(questions) - 1  # the first call computed the prefix eagerly
     assert decode.replays == sum(len(a) - 1 for a in answers)
     assert engine.stats.cached_tokens >= (len(questions) - 1) * (300 - page_size)
@@ -110,6 +110,54 @@ def _hf_greedy_radix(model, prompt: list[int], new: int) -> list[int]:
             cache_implementation="radix",
         )
     return out[0, len(prompt) :].tolist()
+
+
+def test_runner_overlap_and_graphs_match_hf_on_gpu():
+    """Overlap on and off, decode graphs for 40 rows, mixed rounds: HF's greedy tokens, per-step timings."""
+    model = tiny_model("llama").cuda()
+    gen = torch.Generator().manual_seed(5)
+    system = random_ids(gen, 90)
+    prompts = [system + random_ids(gen, 3 + i % 11) for i in range(40)]
+    params = [SamplingParams(max_new_tokens=12, stop_token_ids=[7 + i % 5], ignore_eos=True)
+              for i in range(40)]
+    results = []
+    for overlap in (False, True):
+        runner = RadixBatchRunner(
+            model, max_total_tokens=8192, attn_backend="triton", max_running_requests=40,
+            chunked_prefill_size=128, overlap=overlap, profile=True,
+        )
+        runner.reset_cache()
+        assert runner.model_runner.max_graph_batch >= 40
+        outs = runner.run(prompts, params)
+        runner.check_integrity()
+        results.append([o.token_ids for o in outs])
+        assert runner.model_runner.decode_graphs.replays > 0
+        times = runner.step_times
+        assert times.host_s and len(times.gpu_s) == len(times.host_s)
+    assert results[0] == results[1]
+    for prompt, tokens, p in zip(prompts, results[0], params):
+        ref = _hf_greedy(model, prompt, 12)
+        stop = p.stop_token_ids[0]
+        assert tokens == (ref[: ref.index(stop) + 1] if stop in ref else ref)
+
+
+def test_generate_batch_of_64_rows_decodes_from_graphs():
+    model = tiny_model("qwen2").cuda()
+    engine = hf_radix.configure(model, max_total_tokens=16384, attn_backend="triton")
+    gen = torch.Generator().manual_seed(6)
+    rows = [random_ids(gen, 5 + i % 9) for i in range(64)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device="cuda")
+    pads = torch.tensor([width - len(r) for r in rows], device="cuda")
+    mask = (torch.arange(width, device="cuda")[None, :] >= pads[:, None]).long()
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    decode = engine.model_runner.decode_graphs
+    before = decode.replays
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                         cache_implementation="radix")
+    assert torch.equal(out, ref)
+    assert decode.replays - before == 5  # every decode step of the 64-row batch replayed a graph
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize("name", ["GptOss", "DeepseekV3", "Llama", "Gemma2", "Qwen2"])

@@ -149,7 +149,7 @@ def _serve(manager: CacheManager, ids: list[int], keep_open: bool = False) -> tu
     if keep_open:
         manager.cache_req(row, ids, len(ids), finished=False)
         return row, handle.restored_len
-    manager.release_row(row, ids, len(ids))
+    manager.cache_req(row, ids, len(ids), finished=True)
     return None
 
 
@@ -181,7 +181,7 @@ def test_a_locked_prefix_survives_host_round_trips():
         _serve(manager, [k] * 6)
         manager.check_integrity()
         _check_data(manager, manager.row_slots(row)[:6], held)
-    manager.release_row(row, held, 6)
+    manager.cache_req(row, held, 6, finished=True)
     manager.check_integrity()
 
 
@@ -231,7 +231,7 @@ def _run_ops(manager: CacheManager, ops) -> None:
         if op == 2:
             if open_rows:
                 row, row_ids = open_rows.pop(0)
-                manager.release_row(row, row_ids, len(row_ids))
+                manager.cache_req(row, row_ids, len(row_ids), finished=True)
         elif len(ids) > 1:
             opened = _serve(manager, ids, keep_open=op == 1)
             if opened is not None:
@@ -244,6 +244,6 @@ def _run_ops(manager: CacheManager, ops) -> None:
             assert handle.cached_len >= len(row_ids) - len(row_ids) % page_size
             _check_data(manager, handle.matched_indices(), row_ids)
     for row, row_ids in open_rows:
-        manager.release_row(row, row_ids, len(row_ids))
+        manager.cache_req(row, row_ids, len(row_ids), finished=True)
     manager.check_integrity()
     assert manager.tree.size_info.protected_size == 0

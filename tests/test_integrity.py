@@ -21,7 +21,7 @@ def _manager_with_a_running_row() -> tuple[CacheManager, int, list[int]]:
         row = manager.open_row(handle)
         manager.allocate([row], [len(ids)])
         if ids is tokens:
-            manager.release_row(row, ids, len(ids))
+            manager.cache_req(row, ids, len(ids), finished=True)
     manager.cache_req(row, [*tokens, 10, 11], 6, finished=False)
     manager.check_integrity()
     return manager, row, [*tokens, 10, 11]
@@ -61,7 +61,7 @@ def test_a_page_index_out_of_range_fails(slot: int):
 
 def test_an_owned_slot_out_of_range_fails():
     manager, row, _ = _manager_with_a_running_row()
-    manager._rows[row].slots[-1] = 99 * PS
+    manager.table.host[row, manager.row_len(row) - 1] = 99 * PS
     with pytest.raises(IntegrityError, match="out of range"):
         manager.check_integrity()
 
@@ -76,14 +76,14 @@ def test_a_lost_page_fails_and_names_it():
 
 def test_a_page_in_two_places_fails():
     manager, row, _ = _manager_with_a_running_row()
-    manager._free = np.concatenate([manager._free[:-1], manager._rows[row].slots[-PS:-PS + 1]])
+    manager._free = np.concatenate([manager._free[:-1], manager.row_slots(row)[-PS:-PS + 1].astype(np.int64)])
     with pytest.raises(IntegrityError, match="two places"):
         manager.check_integrity()
 
 
 def test_a_row_disagreeing_with_the_tree_fails():
     manager, row, _ = _manager_with_a_running_row()
-    slots = manager._rows[row].slots
+    slots = manager.table.host[row]
     slots[0], slots[1] = slots[1], slots[0]
     with pytest.raises(IntegrityError, match="disagrees"):
         manager.check_integrity()

@@ -42,7 +42,8 @@ def test_extend_kernel_compiles_for_sm90(
     pointers.update(prefix_kv_indices="*i64", Mid_o="*fp32", Mid_lse="*fp32", Sinks="*fp32")
     pointers.update(qk_scale="fp32", cap_scale="fp32")
     constexprs = dict(
-        GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, HEAD_DIM_V=head_dim_v, BLOCK_DV=triton.next_power_of_2(head_dim_v),
+        GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, HEAD_DIM_V=head_dim_v,
+        BLOCK_DV=triton.next_power_of_2(head_dim_v),
         BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
         HAS_SINKS=sinks, DOT_PREC="tf32",
     )

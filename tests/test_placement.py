@@ -17,7 +17,7 @@ from transformers.utils import logging
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError, tensor_parallel
 from hf_radix.cache_utils import RadixCache
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.forward_batch import build_forward_batch
+from hf_radix.forward_batch import ForwardBatch
 from hf_radix.kv_pool import CPU_DEFAULT_TOKENS, KVPool, KVShape
 from hf_radix.placement import (
     PlacedKVPool,
@@ -93,8 +93,23 @@ def test_placed_pool_size_is_the_tightest_device():
         PlacedKVPool(shape, 2, 1, torch.float32, [CPU])
 
 
+def _batch(prefix: int, new: int) -> ForwardBatch:
+    """One row's forward batch on the CPU: `prefix` cached slots, then `new` tokens."""
+    total = prefix + new
+    i32 = dict(dtype=torch.int32)
+    return ForwardBatch(
+        input_ids=torch.arange(new), positions=torch.arange(prefix, total),
+        out_loc=torch.arange(prefix, total),
+        qo_indptr=torch.tensor([0, new], **i32), prefix_lens=torch.tensor([prefix], **i32),
+        seq_lens=torch.tensor([total], **i32), kv_indices=torch.arange(total),
+        kv_indptr=torch.tensor([0, total], **i32), prefix_kv_indices=torch.arange(prefix),
+        prefix_kv_indptr=torch.tensor([0, prefix], **i32), logits_indices=torch.tensor([new - 1]),
+        qo_indptr_host=np.array([0, new]), seq_lens_host=np.array([total]), max_new_len=new, max_kv_len=total,
+    )
+
+
 def test_batch_metadata_is_copied_once_per_device():
-    batch = build_forward_batch([np.arange(5)], [np.array([3, 4, 5])], [2], None, CPU)
+    batch = _batch(2, 3)
     moved = batch_to(batch, torch.device("meta"))
     assert moved.out_loc.device.type == "meta" and moved.kv_indices.device.type == "meta"
     assert moved.qo_indptr_host is batch.qo_indptr_host and moved.max_kv_len == batch.max_kv_len
@@ -103,7 +118,7 @@ def test_batch_metadata_is_copied_once_per_device():
     meta = torch.device("meta")
     first = cache.batch_on(meta)
     assert first is cache.batch_on(meta) and first.out_loc.device == meta
-    cache.batch = build_forward_batch([np.arange(2)], [np.array([7])], [1], None, CPU)
+    cache.batch = _batch(1, 1)
     assert cache.batch_on(meta) is not first and cache.batch_on(meta).num_tokens == 1
 
 

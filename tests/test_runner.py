@@ -227,7 +227,7 @@ def test_small_prefill_rounds_replay_extend_graphs(arch: str, page_size: int, ch
     """Rounds of <= 4 rows and 32 new tokens run as the padded batch a CUDA graph replays (eagerly here)."""
     runner = _runner(arch, page_size=page_size, chunked_prefill_size=chunk, max_running_requests=3)
     graphs = ExtendGraphs(runner.engine, max_rows=4, max_tokens=32)
-    runner._scheduler.extend_graphs = graphs
+    runner.model_runner.extend_graphs = graphs
     prompts = _workload(seed=3)
     _assert_matches_hf(arch, prompts, runner.run(prompts, SamplingParams(max_new_tokens=NEW)))
     runner.check_integrity()
@@ -236,3 +236,24 @@ def test_small_prefill_rounds_replay_extend_graphs(arch: str, page_size: int, ch
     runner.loglikelihood([(prompts[0], [5, 6, 7])])  # scoring rounds run eagerly
     assert graphs.replays == replays
     runner.check_integrity()
+
+
+@pytest.mark.parametrize("limit", [1, 3, 8])
+def test_admission_holds_exactly_max_running_requests(limit: int, monkeypatch):
+    """Every forward holds at most `limit` requests, and the first prefill round holds exactly `limit`."""
+    runner = _runner("llama", max_running_requests=limit)
+    engine = runner.engine
+    sizes: list[int] = []
+    real_forward = engine.forward
+
+    def counting(batch):
+        sizes.append(batch.batch_size)
+        return real_forward(batch)
+
+    monkeypatch.setattr(engine, "forward", counting)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [random_ids(gen, 5 + i) for i in range(12)]
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=3))
+    runner.check_integrity()
+    _assert_matches_hf("llama", prompts, outs, new=3)
+    assert max(sizes) == limit and sizes[0] == limit

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from ..evaluation import loglikelihood_rolling
-from ..scheduler import RadixBatchRunner
+from ..runner import RadixBatchRunner
 from . import generate, model_args
 from .model_info import ReuseCounter, model_info
 

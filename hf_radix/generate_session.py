@@ -1,26 +1,25 @@
-"""`generate(..., cache_implementation="radix")`: the per-call RadixGenerateCache and the call wrapper."""
+"""The per-call side of `generate(..., cache_implementation="radix")`: the Cache one call runs with.
+
+`RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`) that also keeps
+the call's rows: it turns each padded step of generate into the rows of a step for the model-runner core.
+"""
 
 from __future__ import annotations
 
-import copy
 import functools
-import inspect
-import threading
 import weakref
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_utils import CACHE_IMPLEMENTATION, RadixCache
-from .capability import check_inputs
-from .cuda_graph import DecodeGraphs, ExtendGraphs, shared_extend_graphs
+from .cache_utils import RadixCache
 from .errors import OWN_CACHE_MESSAGE
-from .forward_batch import ForwardBatch, build_forward_batch
+from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .forward_context import current_forward, model_attention, radix_forward
+from .model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -68,7 +67,7 @@ class RadixGenerateCache(RadixCache):
         self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
-        self.graphs: tuple[DecodeGraphs, ExtendGraphs] | None = None  # captured graphs (CUDA, Triton)
+        self.model_runner: ModelRunner = engine.model_runner  # picks graph or eager for each step
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
@@ -95,21 +94,16 @@ class RadixGenerateCache(RadixCache):
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             _wait_for(ahead[2])
-        logits = ahead[1] if ahead is not None and ahead[1] is not None else self._graph_logits()
-        if logits is not None:
-            output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
+        if ahead is not None and ahead[1] is not None:
+            logits = ahead[1]
+        elif self._embeds is not None:
+            logits = self._eager(*self._make_batch(None, logits=True), inner, kwargs)
         else:
-            self.batch, packed_embeds = self._make_batch(None, logits=True)
-            call = {key: value for key, value in kwargs.items() if key != "cache_position"}
-            call.update(self._model_inputs(self.batch, packed_embeds))
-            call["attention_mask"] = None
-            with radix_forward(self):
-                output = inner(**call)
-            logits = output.logits[0]
-            if not self.supports_logits_to_keep:
-                logits = logits[self.batch.logits_indices]
-            self.engine.record_forward(self.batch.num_tokens)
-            self.batch = None
+            step = self._step()
+            self._allocate(step)
+            eager = functools.partial(self._eager, embeds=None, inner=inner, kwargs=kwargs)
+            logits = self.model_runner.forward(step, eager, copy=True)
+        output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         if self._logits_rows is not None:
             logits = logits[self._logits_rows]
         output.logits = logits[:, None, :]
@@ -167,7 +161,7 @@ class RadixGenerateCache(RadixCache):
         ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
         mask = call.get("attention_mask")
         if (
-            self.graphs is None
+            not self.model_runner.has_graphs
             or self.prefill_chunk_size
             or self.num_return_sequences != 1
             or not isinstance(ids, torch.Tensor)
@@ -179,11 +173,15 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
+        step = self._step()
+        logits = None
         stream = _ahead_stream(self.engine)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = self._graph_logits()
+        if self.model_runner.graph_fits(step):
+            with torch.cuda.stream(stream):
+                self._allocate(step)
+                logits = self.model_runner.forward(step, copy=True)
         if logits is not None and stream is not None:
             logits.record_stream(torch.cuda.current_stream())  # allocated on `stream`, read on this one
         self._ahead = (ids, logits, stream)
@@ -196,33 +194,35 @@ class RadixGenerateCache(RadixCache):
         ):
             raise RuntimeError("generate's first step is not the prompt it was given; radix cannot follow")
 
-    def _graph_logits(self) -> torch.Tensor | None:
-        """This step's packed logits from a captured graph (a decode step or a short extend); None: eager."""
-        if self.graphs is None or self._embeds is not None:
-            return None
-        decode, extend = self.graphs
+    def _step(self) -> StepRows:
+        """This step in page-table terms: every computing row from what is in the pool to its end."""
         rows = self._compute_rows()
-        new = [len(self.tokens[b]) - self.computed[b] for b in rows]
-        ends = [len(self.tokens[b]) for b in rows]
-        manager = self.engine.manager
-        if max(new) == 1 and decode.fits(len(rows), sum(ends)):
-            manager.allocate([self.rows[b] for b in rows], ends)
-            logits = decode.run(
-                [manager.row_slots(self.rows[b]) for b in rows],
-                [self.tokens[b][-1] for b in rows],
-                [end - 1 for end in ends],
-            )
-        elif extend.fits(len(rows), sum(new), sum(self.computed[b] for b in rows)):
-            manager.allocate([self.rows[b] for b in rows], ends)
-            logits = extend.run(
-                [manager.row_slots(self.rows[b]) for b in rows],
-                [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
-                [self.computed[b] for b in rows],
-            )
-        else:
-            return None
-        self.engine.record_forward(sum(new))
-        return logits.clone()  # the graph's output buffer is overwritten by the next replay
+        return StepRows.of(
+            [self.rows[b] for b in rows],
+            [self.computed[b] for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
+        )
+
+    def _allocate(self, step: StepRows) -> None:
+        self.engine.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
+
+    def _eager(
+        self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict
+    ) -> torch.Tensor:
+        """Generate's own model call on a packed batch (the step no graph runs); its packed logits."""
+        call = {key: value for key, value in kwargs.items() if key != "cache_position"}
+        self.batch = batch
+        try:
+            call.update(self._model_inputs(batch, embeds))
+            call["attention_mask"] = None
+            with radix_forward(self):
+                logits = inner(**call).logits[0]
+        finally:
+            self.batch = None
+        if not self.supports_logits_to_keep:
+            logits = logits[batch.logits_indices]
+        self.engine.record_forward(batch.num_tokens)
+        return logits
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
     def _open_rows(
@@ -310,13 +310,13 @@ class RadixGenerateCache(RadixCache):
         rows = list(ends)
         manager = self.engine.manager
         manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
-        batch = build_forward_batch(
-            [manager.row_slots(self.rows[b]) for b in rows],
-            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
+        step = StepRows.of(
+            [self.rows[b] for b in rows],
             [self.computed[b] for b in rows],
+            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
             None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
-            self.engine.device,
         )
+        batch = build_forward_batch(manager.table, step)
         packed = None
         if self._embeds is not None:
             packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
@@ -370,14 +370,14 @@ class RadixGenerateCache(RadixCache):
             # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
             tokens, row = self.tokens[b], self.rows[b]
             self.rows[b] = None
-            manager.release_row(row, tokens, self.computed[b])
+            manager.cache_req(row, tokens, self.computed[b], finished=True)
             handle = manager.match([*tokens, 0])
             manager.lock(handle)
             self.rows[b] = manager.open_row(handle)
             self.computed[b] = handle.cached_len
             manager.allocate([self.rows[b]], [len(tokens)])
-            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)]
-            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)]
+            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)].astype(np.int64)
+            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)].astype(np.int64)
             self.engine.pool.copy_slots(src, dst)
             self.computed[b] = len(tokens)
             manager.cache_req(self.rows[b], tokens, len(tokens), finished=False)
@@ -410,133 +410,12 @@ class RadixGenerateCache(RadixCache):
                 generated += keep - self.prompt_lens[b]
                 if row is not None:
                     self.rows[b] = None
-                    manager.release_row(row, tokens, 0 if self.opaque[b] else min(self.computed[b], keep))
+                    computed = 0 if self.opaque[b] else min(self.computed[b], keep)
+                    manager.cache_req(row, tokens, computed, finished=True)
         self.engine.stats.generated_tokens += generated
 
 
-_SUPPORTED_MODES = ("greedy_search", "sample")
-_TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-CUDA_GRAPHS = True  # replay captured graphs for generate's decode steps and short prefills
-CUDA_GRAPH_MAX_BATCH = 32  # larger batches decode eagerly
-_graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> its captured graphs
-_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> stream of steps run ahead
-_active_engines: set[int] = set()  # engines with a radix generate call in progress
-_active_lock = threading.Lock()
-# generation settings the radix call in this context takes over: generate, called by it, sees them unset
-_taken_over: ContextVar[tuple[str, ...]] = ContextVar("hf_radix_taken_over_settings", default=())
-
-
-def _requested_cache_implementation(model, args: tuple, kwargs: dict) -> str | None:
-    if "cache_implementation" in kwargs:
-        return kwargs["cache_implementation"]
-    config = args[1] if len(args) > 1 else kwargs.get("generation_config")
-    value = getattr(config, "cache_implementation", None)  # a config object's None defers to the model's
-    return value if value is not None else getattr(model.generation_config, "cache_implementation", None)
-
-
-@functools.cache
-def _positional_names(original: Callable) -> tuple[str, ...]:
-    """Names of `generate`'s parameters (after `self`) that can be passed by position."""
-    params = list(inspect.signature(original).parameters.values())[1:]
-    return tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
-
-def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
-    """`generate`'s positional arguments (after `self`) turned into keywords."""
-    if not args:
-        return dict(kwargs)
-    names = _positional_names(original)
-    if len(args) > len(names):
-        raise TypeError(f"generate() takes at most {len(names)} positional arguments, got {len(args)}")
-    out = dict(kwargs)
-    for name, value in zip(names, args, strict=False):
-        if name in out:
-            raise TypeError(f"generate() got multiple values for argument {name!r}")
-        out[name] = value
-    return out
-
-
-def _effective_config(model, kwargs: dict):
-    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords.
-
-    Generate's own `_prepare_generation_config` with the model's defaults as the explicit base: that skips
-    its legacy scan of `model.config` for generation parameters (a millisecond, before the first step can
-    start); generate itself still makes it and raises.
-    """
-    base = kwargs.get("generation_config")
-    config, _ = model._prepare_generation_config(model.generation_config if base is None else base)
-    config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
-    return config
-
-
-def prepare_generation_config(original: Callable, model, args: tuple, kwargs: dict):
-    """Generate's `_prepare_generation_config`, with the settings a radix call in this context takes over
-    unset (the model's defaults and every other thread's view stay untouched)."""
-    config, model_kwargs = original(model, *args, **kwargs)
-    for name in _taken_over.get():
-        setattr(config, name, None)
-    return config, model_kwargs
-
-
-def _check_supported(model, config, kwargs: dict) -> None:
-    """Raises a ValueError naming the alternative for everything the radix path cannot do."""
-    if model.config.is_encoder_decoder:
-        raise ValueError("cache_implementation='radix' supports decoder-only models")
-    check_inputs(model, kwargs)
-    mode = getattr(config.get_generation_mode(kwargs.get("assistant_model")), "value", None)
-    if mode not in _SUPPORTED_MODES:
-        if mode is not None and "beam" in mode:
-            raise ValueError(
-                "cache_implementation='radix' does not support beam search (num_beams > 1); use num_beams=1 "
-                "(greedy, or do_sample=True with num_return_sequences for several answers), or drop "
-                "cache_implementation='radix' to run beam search on the default cache"
-            )
-        if mode == "assisted_generation":
-            raise ValueError(
-                "cache_implementation='radix' does not support assisted decoding (assistant_model, "
-                "prompt_lookup_num_tokens, assistant_early_exit); drop those arguments, or drop "
-                "cache_implementation='radix' to run assisted decoding on the default cache"
-            )
-        raise ValueError(
-            f"cache_implementation='radix' supports greedy decoding and sampling, not {mode!r}; use those, "
-            "or drop cache_implementation='radix' to use the default cache"
-        )
-    if config.use_cache is False:
-        raise ValueError(
-            "cache_implementation='radix' is a KV cache and needs use_cache=True; drop use_cache=False, or "
-            "drop cache_implementation='radix' to generate without a cache"
-        )
-    if config.output_attentions or config.output_hidden_states:
-        raise ValueError(
-            "cache_implementation='radix' cannot return attentions or hidden states (its attention computes "
-            "neither); drop output_attentions / output_hidden_states, or use the default cache"
-        )
-    if any(kwargs.get(name) is not None for name in ("past_key_values", "cache", "cache_params")):
-        raise ValueError(OWN_CACHE_MESSAGE)
-
-
-def _eos_ids(eos) -> list[int]:
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):
-        return [int(e) for e in eos.reshape(-1).tolist()]
-    return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
-
-
-def _sequences(result) -> torch.Tensor | None:
-    if isinstance(result, torch.Tensor):
-        return result
-    return getattr(result, "sequences", None)
-
-
-def _engine_graphs(engine: RadixEngine) -> tuple[DecodeGraphs, ExtendGraphs] | None:
-    """The engine's captured decode and extend graphs for generate (CUDA, Triton attention), made once."""
-    if not CUDA_GRAPHS or not engine.captures_graphs:
-        return None
-    graphs = _graphs.get(engine)
-    if graphs is None:
-        graphs = _graphs[engine] = (DecodeGraphs(engine, CUDA_GRAPH_MAX_BATCH), shared_extend_graphs(engine))
-    return graphs
+_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> side stream
 
 
 def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
@@ -553,94 +432,3 @@ def _wait_for(stream: torch.cuda.Stream | None) -> None:
     """Orders the current stream's later work after everything queued on `stream` so far."""
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
-
-
-def _route_forward(model: torch.nn.Module, cache: RadixGenerateCache) -> Callable[[], None]:
-    """Sends the model's forward through `cache.forward` (signature kept); returns the undo."""
-    own = vars(model)
-    had, previous = "forward" in own, own.get("forward")
-    inner = model.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        return cache.forward(model, inner, args, kwargs)
-
-    model.forward = forward
-
-    def restore() -> None:
-        if had:
-            model.forward = previous
-        else:
-            own.pop("forward", None)
-
-    return restore
-
-
-def _radix_generate(original, model, kwargs: dict):
-    """Runs `original` generate with a RadixGenerateCache routing the model's forward; always cleans up."""
-    from .engine import get_engine
-
-    config = _effective_config(model, kwargs)
-    _check_supported(model, config, kwargs)
-    engine = get_engine(model)
-    cache = RadixGenerateCache(
-        engine,
-        _eos_ids(config.eos_token_id),
-        max_new_tokens=config.max_new_tokens,
-        max_length=config.max_length,
-        prefill_chunk_size=getattr(config, "prefill_chunk_size", None),
-        num_return_sequences=config.num_return_sequences or 1,
-        logits_to_keep=engine.takes_logits_to_keep,
-    )
-    # generate must not see what the radix path takes over: not in keywords, not in a config object (a
-    # copy; the user's stays untouched), not from the model's defaults (unset in this context only).
-    call = {key: value for key, value in kwargs.items() if key not in _TAKEN_OVER}
-    if call.get("generation_config") is not None:
-        call["generation_config"] = copy.deepcopy(call["generation_config"])
-        for name in _TAKEN_OVER:
-            setattr(call["generation_config"], name, None)
-    call[engine.cache_kwarg] = cache
-    cache.graphs = _engine_graphs(engine)
-    with engine.lock:  # another thread's radix call on this engine finishes first
-        with _active_lock:
-            if id(engine) in _active_engines:
-                raise RuntimeError(
-                    "another generate(cache_implementation='radix') is running on this model; run the calls "
-                    "one after another or pass the prompts as one batch"
-                )
-            _active_engines.add(id(engine))
-        result = None
-        token = _taken_over.set(_TAKEN_OVER)
-        try:
-            restore_forward = _route_forward(model, cache)
-            try:
-                with engine.radix_attention():
-                    cache.prefill_ahead(call)
-                    result = original(model, **call)
-            finally:
-                restore_forward()
-                cache.finish(_sequences(result))
-        finally:
-            _taken_over.reset(token)
-            with _active_lock:
-                _active_engines.discard(id(engine))
-    return result
-
-
-def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
-    """Runs `original` generate; through the radix path when the call asks for the "radix" cache.
-
-    A finished radix call's returned `past_key_values` passed back (transformers' continuation idiom)
-    continues through the prefix cache, which already holds that conversation.
-    """
-    from .engine import _ENGINE_ATTR
-
-    for name in ("past_key_values", "cache"):
-        past = kwargs.get(name)
-        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, _ENGINE_ATTR, None)
-        if ours and past.finished:
-            kwargs = {key: value for key, value in kwargs.items() if key != name}
-            kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
-    if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
-        return original(model, *args, **kwargs)
-    return _radix_generate(original, model, _as_keywords(original, args, kwargs))

@@ -1,0 +1,131 @@
+"""The model-runner core: turns the rows of a step into logits, for the batch runner and `generate` alike.
+
+It is the one place that picks how a step runs: a captured decode graph (one new token per row), a
+captured extend graph (a few new tokens per row after cached prefixes), or an eager forward. Graphs exist
+where `engine.captures_graphs` (CUDA, Triton attention, no MLA latent pool); `warm_up` captures every
+shape and compiles the eager kernels before the first request, so a first run costs what a steady one does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from transformers.utils import logging
+
+from .cuda_graph import DecodeGraphs, ExtendGraphs
+from .forward_batch import ForwardBatch, StepRows, build_forward_batch
+from .page_table import PADDING_ROW, to_device
+
+if TYPE_CHECKING:
+    from .engine import RadixEngine
+
+logger = logging.get_logger(__name__)
+
+EagerForward = Callable[[ForwardBatch], torch.Tensor]
+WARM_UP_TOKENS = (1, 7, 16, 100, 512)  # eager prefill lengths run at warm-up (Triton specializations)
+
+
+class ModelRunner:
+    """Runs steps on one engine's model; graphs are captured on first use of a shape, or all by `warm_up`."""
+
+    def __init__(
+        self,
+        engine: RadixEngine,
+        *,
+        cuda_graph: bool = True,
+        max_batch: int = 256,
+        fused_ops: bool = True,
+        extend_rows: int = 8,
+        extend_tokens: int = 256,
+    ):
+        self.engine = engine
+        self.fused_ops = fused_ops
+        self.decode_graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
+        if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
+            self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops)
+            self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
+        self.warm_up_times: dict[str, float] = {}
+
+    @property
+    def has_graphs(self) -> bool:
+        return self.decode_graphs is not None
+
+    @property
+    def max_graph_batch(self) -> int:
+        return 0 if self.decode_graphs is None else self.decode_graphs.max_rows
+
+    def ensure_graph_batch(self, max_batch: int) -> None:
+        """Decode graphs cover batches up to `max_batch` rows (re-created, uncaptured, when they did not)."""
+        if self.decode_graphs is not None and max_batch > self.decode_graphs.max_rows:
+            self.decode_graphs = DecodeGraphs(self.engine, max_batch, self.fused_ops)
+
+    def _graphs_for(self, step: StepRows) -> DecodeGraphs | ExtendGraphs | None:
+        for graphs in (self.decode_graphs, self.extend_graphs):
+            if graphs is not None and graphs.fits(step):
+                return graphs
+        return None
+
+    def graph_fits(self, step: StepRows) -> bool:
+        """Whether `step` would replay a captured graph."""
+        return self._graphs_for(step) is not None
+
+    def forward(
+        self, step: StepRows, eager: EagerForward | None = None, *, copy: bool = False
+    ) -> torch.Tensor:
+        """Logits of the positions `step` asks for, rows concatenated.
+
+        A graph's logits are its output buffer, valid until the next forward, unless `copy`. `eager` runs
+        the batch when no graph fits (default: the engine's counted forward).
+        """
+        graphs = self._graphs_for(step)
+        if graphs is None:
+            return (eager or self.engine.forward)(build_forward_batch(self.engine.manager.table, step))
+        logits = graphs.run(step)
+        self.engine.record_forward(step.num_tokens)
+        rows = step.logits_rows()
+        if rows is not None:
+            return logits[to_device(rows, logits.device)]
+        return logits.clone() if copy and graphs.capture else logits
+
+    # -- warm-up -------------------------------------------------------------------------------------
+    def warm_up(self) -> dict[str, float]:
+        """Captures every graph shape and compiles the eager kernels now; returns the seconds each took.
+
+        Runs on the page table's padding row only (every position the scratch slot), so it touches no
+        cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures.
+        """
+        if self.warm_up_times:
+            for graphs in (self.decode_graphs, self.extend_graphs):
+                for key in graphs.shapes() if graphs is not None else ():
+                    graphs.capture_shape(key)
+            return dict(self.warm_up_times)
+        engine = self.engine
+        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+        started = time.perf_counter()
+        width = engine.manager.table.width
+        for tokens in WARM_UP_TOKENS:
+            for prefix in (0, min(tokens + 1, width - tokens)):
+                if prefix + tokens <= width:
+                    step = StepRows(
+                        rows=np.array([PADDING_ROW]), prefix_lens=np.array([prefix]),
+                        new_lens=np.array([tokens]), input_ids=np.zeros(tokens, dtype=np.int64),
+                    )
+                    engine.run_model(build_forward_batch(engine.manager.table, step))
+        sync()
+        eager = time.perf_counter() - started
+        capture = 0.0
+        for graphs in (self.decode_graphs, self.extend_graphs):
+            if graphs is not None:
+                before = graphs.capture_time
+                for key in graphs.shapes():
+                    graphs.capture_shape(key)
+                capture += graphs.capture_time - before
+        self.warm_up_times = {"eager_s": eager, "capture_s": capture}
+        logger.info("hf_radix warm-up: eager kernels %.2fs, graph captures %.2fs", eager, capture)
+        return dict(self.warm_up_times)
+

@@ -1,0 +1,104 @@
+"""The request→slot table: one row per running request, the pool slot of each of its token positions.
+
+A host array and its device twin hold the same table (int32, `[rows, width]`). Slots are written once,
+when they are allocated (or when a row's prefix is re-pointed at the tree's copy); a forward reads the
+device table through row indices and lengths, never through re-uploaded contexts. Row 0 is reserved for
+padding: every position of it is the scratch slot, so padded rows of captured graphs write there.
+Each row also keeps, on the device, the next token it will compute (`next_token`): the runner writes the
+token it samples there, and the next step reads it without a round trip through the host.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+PADDING_ROW = 0
+_FIRST_ROWS = 16
+
+
+def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Copies a host array to `device` without waiting.
+
+    On CUDA the array goes through pinned memory from torch's caching host allocator, which does not hand
+    a block out again before the copy from it has completed: a staging buffer is never rewritten while a
+    copy from it may be in flight.
+    """
+    host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class PageTable:
+    """Request rows → slots, on the host and on `device`; rows are recycled, lowest first."""
+
+    def __init__(self, width: int, device: torch.device | str = "cpu", scratch_slot: int = 0):
+        if width < 1:
+            raise ValueError(f"page table width must be >= 1, got {width}")
+        self.width = width
+        self.device = torch.device(device)
+        self.scratch_slot = scratch_slot
+        self.host = np.zeros((_FIRST_ROWS, width), dtype=np.int32)
+        with torch.inference_mode(False):  # written later by calls in any grad mode
+            self.slots = torch.zeros((_FIRST_ROWS, width), dtype=torch.int32, device=self.device)
+            self.next_token = torch.zeros(_FIRST_ROWS, dtype=torch.int64, device=self.device)
+        self.host[PADDING_ROW] = scratch_slot
+        self.slots[PADDING_ROW] = scratch_slot
+        self._free_rows = list(range(_FIRST_ROWS - 1, PADDING_ROW, -1))  # a stack: lowest row on top
+
+    @property
+    def capacity(self) -> int:
+        return self.host.shape[0]
+
+    def open(self) -> int:
+        """A free row (the table doubles when full)."""
+        if not self._free_rows:
+            old = self.capacity
+            self.host = np.concatenate([self.host, np.zeros_like(self.host)])
+            with torch.inference_mode(False):
+                self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
+                self.next_token = torch.cat([self.next_token, torch.zeros_like(self.next_token)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    def close(self, row: int) -> None:
+        self._free_rows.append(row)
+        self._free_rows.sort(reverse=True)
+
+    def write(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
+        """Sets `table[rows[i], positions[i]] = slots[i]` on the host and the device (one copy)."""
+        if len(slots) == 0:
+            return
+        if positions.max() >= self.width:
+            raise ValueError(
+                f"a request needs {int(positions.max()) + 1} positions; the page table holds {self.width} "
+                "(the KV pool)"
+            )
+        self.host[rows, positions] = slots
+        flat = rows.astype(np.int64) * self.width + positions
+        packed = to_device(np.concatenate([flat, slots.astype(np.int64)]), self.device)
+        self.slots.view(-1).index_copy_(0, packed[: len(flat)], packed[len(flat) :].to(torch.int32))
+
+    def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
+        """Sets positions `start:start + len(slots)` of one row."""
+        positions = np.arange(start, start + len(slots), dtype=np.int64)
+        self.write(np.full(len(slots), row, dtype=np.int64), positions, np.asarray(slots))
+
+    def set_next_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Records, on the device, the token each of `rows` computes next."""
+        self.next_token.index_copy_(0, rows, tokens.to(torch.int64))
+
+    def check(self, lengths: dict[int, int]) -> str | None:
+        """A description of the first disagreement between host and device rows (`lengths`: open rows)."""
+        device = self.slots.cpu().numpy()
+        padding = (self.host[PADDING_ROW], device[PADDING_ROW])
+        if any(np.any(p != self.scratch_slot) for p in padding):
+            return "the padding row of the page table no longer holds the scratch slot"
+        for row, n in lengths.items():
+            if not np.array_equal(device[row, :n], self.host[row, :n]):
+                return f"page-table row {row} differs between the host and the device"
+        open_rows = set(lengths)
+        if open_rows & set(self._free_rows) or PADDING_ROW in open_rows:
+            return "a running request's page-table row is also free (or the padding row)"
+        return None

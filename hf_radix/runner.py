@@ -1,0 +1,235 @@
+"""RadixBatchRunner: the public offline engine: prompts in, outputs in input order, scoring, statistics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+
+from .cache_io import load_cache, save_cache
+from .engine import RadixEngine, get_engine
+from .errors import check_error_mode, raise_or_return
+from .evaluation import loglikelihood_rolling
+from .model_runner import ModelRunner
+from .request import Req, RequestOutput, token_id_list
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .stats import RadixStats
+
+
+class RadixBatchRunner:
+    """Offline continuous-batching engine with radix prefix reuse across prompts and across calls.
+
+    >>> runner = RadixBatchRunner(model, tokenizer)
+    >>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))
+
+    Pool options left at None keep the model's engine (shared with `generate`) as configured, or take the
+    defaults page_size=1, mem_fraction=0.85, attn_backend="auto"; options that differ rebuild an idle engine.
+    `cuda_graph` replays captured graphs (CUDA, Triton attention) and `warm_up` captures them and compiles
+    the kernels here, before the first run; `overlap` schedules step n+1 while the GPU runs step n;
+    `profile` records GPU time per decode step (`step_times`). `host_cache_tokens` / `host_cache_gb` keep
+    evicted prefixes in a host-memory tier.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        page_size: int | None = None,
+        max_total_tokens: int | None = None,
+        mem_fraction: float | None = None,
+        max_running_requests: int = 256,
+        chunked_prefill_size: int = 8192,
+        schedule_policy: str = "lpm",
+        attn_backend: str | None = None,
+        cuda_graph: bool = True,
+        overlap: bool = True,
+        warm_up: bool = True,
+        profile: bool = False,
+        host_cache_tokens: int | None = None,
+        host_cache_gb: float | None = None,
+    ):
+        options = dict(
+            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
+            attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
+        )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.stats = RadixStats()
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self._eos = token_id_list(eos)
+        self._cuda_graph, self._warm_up = cuda_graph, warm_up
+        self._scheduler_options = dict(
+            max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
+            schedule_policy=schedule_policy, overlap=overlap, profile=profile,
+        )
+        self._bind(get_engine(model, **{k: v for k, v in options.items() if v is not None}))
+
+    def _bind(self, engine: RadixEngine) -> None:
+        """Uses `engine`: its model-runner core (graphs sized for this runner), a scheduler, the warm-up."""
+        self.engine = engine
+        if self._cuda_graph:
+            self.model_runner = engine.model_runner
+            self.model_runner.ensure_graph_batch(self._scheduler_options["max_running_requests"])
+        else:
+            self.model_runner = ModelRunner(engine, cuda_graph=False)
+        self.scheduler = Scheduler(
+            engine, self.model_runner, self._eos, self.tokenizer, **self._scheduler_options
+        )
+        warm = self._warm_up and self.model_runner.has_graphs
+        self.warm_up_times = self.model_runner.warm_up() if warm else {}
+
+    @property
+    def step_times(self):
+        """Host (and, when profiled, GPU) seconds of each decode step so far."""
+        return self.scheduler.step_times
+
+    # -- inputs --------------------------------------------------------------------------------------
+    def _tokenize(self, prompts: Iterable) -> list[list[int]]:
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if all(isinstance(p, str) for p in prompts):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: RadixBatchRunner(model, tokenizer)")
+            return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                raise ValueError("mix of string and token-id prompts; pass one kind")
+            out.append([int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)])
+        return out
+
+    def _execute(self, reqs: list[Req], progress: bool | None) -> None:
+        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
+            self._bind(get_engine(self.model))
+        elif self.engine.model_runner is not self.model_runner and self._cuda_graph:
+            self._bind(self.engine)  # new backend or graph options: the engine rebuilt its runner core
+        with self.engine.lock:  # radix calls of other threads on this engine finish first
+            self._execute_locked(reqs, progress)
+
+    def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
+        show = len(reqs) >= 32 if progress is None else progress
+        start = time.perf_counter()
+        engine_stats = self.engine.stats
+        before = (engine_stats.prompt_tokens, engine_stats.cached_tokens, engine_stats.computed_tokens,
+                  engine_stats.forward_calls, engine_stats.host_cached_tokens)
+        try:
+            self.scheduler.run(reqs, show)
+        finally:
+            self.stats.wall_time += time.perf_counter() - start
+            self.stats.requests += len(reqs)
+            self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
+            self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
+            generated = sum(len(r.generated) for r in reqs if r.score_from is None)
+            self.stats.generated_tokens += generated
+            self.engine.stats.generated_tokens += generated
+            self.stats.computed_tokens += self.engine.stats.computed_tokens - before[2]
+            self.stats.forward_calls += self.engine.stats.forward_calls - before[3]
+            self.stats.host_cached_tokens += self.engine.stats.host_cached_tokens - before[4]
+
+    # -- public API ----------------------------------------------------------------------------------
+    def run(
+        self,
+        prompts: Iterable,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        progress: bool | None = None,
+        errors: str = "return",
+    ) -> list[RequestOutput]:
+        """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
+
+        Without `sampling_params`, the settings of `model.generation_config` apply. A bad request fails
+        alone: its output has `finish_reason="error"` and the message in `error`; `errors="raise"` raises a
+        `RequestError` (carrying every output) after the others completed.
+        """
+        check_error_mode(errors)
+        token_lists = self._tokenize(prompts)
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
+        if isinstance(params, SamplingParams):
+            params = [params] * len(token_lists)
+        params = list(params)
+        if len(params) != len(token_lists):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
+        self._execute(reqs, progress)
+        outputs = [self._output(r) for r in reqs]
+        failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
+        return raise_or_return(outputs, failures, errors, "requests")
+
+    def _output(self, req: Req) -> RequestOutput:
+        tokens = req.generated
+        text = None
+        if self.tokenizer is not None and req.finish_reason != "error":
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            for stop in req.params.stop:
+                cut = text.find(stop)
+                if cut >= 0:
+                    text = text[:cut]
+        return RequestOutput(
+            prompt_token_ids=req.token_ids[: req.prompt_len],
+            token_ids=list(tokens),
+            text=text,
+            cached_tokens=req.cached_tokens,
+            host_cached_tokens=req.host_cached_tokens,
+            finish_reason=req.finish_reason,
+            error=req.error,
+        )
+
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]:
+        """For each (context, continuation): (sum of continuation log-probs, is it the greedy output).
+
+        Contexts shared between pairs are computed once; logits are computed only at continuation positions.
+        A bad pair fails alone: `errors="raise"` raises a `RequestError` (a ValueError carrying every message
+        and the other results) after the others completed; `errors="return"` returns None in its place.
+        """
+        check_error_mode(errors)
+        pairs = list(pairs)
+        contexts = self._tokenize([c for c, _ in pairs])
+        continuations = self._tokenize_continuations(pairs)
+        reqs = []
+        score = SamplingParams(max_new_tokens=0)
+        for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
+            req = Req(i, ctx + cont, score, score_from=len(ctx) - 1)
+            if not ctx or not cont:
+                Scheduler._fail(req, "context and continuation must both be non-empty")
+            reqs.append(req)
+        self._execute([r for r in reqs if r.finish_reason is None], progress)
+        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
+        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
+        return raise_or_return(results, failures, errors, "scoring requests")
+
+    def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
+        """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
+        return loglikelihood_rolling(self, texts, progress)
+
+    def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
+        conts = [c for _, c in pairs]
+        if conts and all(isinstance(c, str) for c in conts):
+            if self.tokenizer is None:
+                raise ValueError("string continuations need a tokenizer")
+            return [list(ids) for ids in self.tokenizer(conts, add_special_tokens=False)["input_ids"]]
+        return self._tokenize(conts)
+
+    def check_integrity(self) -> None:
+        """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""
+        self.engine.check_integrity()
+
+    def reset_cache(self) -> None:
+        """Drops every cached prefix."""
+        self.engine.reset_cache()
+
+    def save_cache(self, path) -> dict:
+        """Writes the prefix cache (tree + K/V of its pages) to a safetensors file; refused while running.
+
+        Returns {"tokens", "bytes", "seconds", "gb_per_s"}.
+        """
+        return save_cache(self.engine, path)
+
+    def load_cache(self, path) -> dict:
+        """Adds the prefixes of a file written by `save_cache` (same model, dtype and page size), most
+        recently used first while free pages last; a mismatched or damaged file raises CacheFileError
+        and changes nothing."""
+        return load_cache(self.engine, path)

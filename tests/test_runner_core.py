@@ -1,0 +1,151 @@
+"""The runner core: mixed prefill+decode rounds, overlap on/off, staggered finishes, the device page table."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from conftest import fresh_model, hf_greedy, random_ids
+
+from hf_radix import IntegrityError, RadixBatchRunner, SamplingParams
+from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
+
+NEW = 7
+
+
+@functools.cache
+def _model(arch: str):
+    return fresh_model(arch)
+
+
+@functools.cache
+def _reference(arch: str, prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(_model(arch), list(prompt), NEW)
+
+
+def _runner(arch: str = "llama", **options) -> RadixBatchRunner:
+    options = {"attn_backend": "torch", "max_total_tokens": 2048, **options}
+    runner = RadixBatchRunner(_model(arch), **options)
+    runner.reset_cache()
+    return runner
+
+
+def _checked_every_step(runner: RadixBatchRunner, monkeypatch) -> list[int]:
+    """Runs the integrity check (tree, rows, free pages, device page table) after every completed step."""
+    scheduler = runner.scheduler
+    completed = []
+    real = scheduler._complete
+
+    def complete(launched):
+        real(launched)
+        runner.check_integrity()
+        completed.append(len(scheduler.running))
+
+    monkeypatch.setattr(scheduler, "_complete", complete)
+    return completed
+
+
+def _prompts(seed: int, count: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    system = random_ids(gen, 21)
+    return [(system if i % 2 else []) + random_ids(gen, 3 + 5 * i % 17) for i in range(count)]
+
+
+@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("qwen2", 4)])
+def test_mixed_rounds_match_hf(arch: str, page_size: int, monkeypatch):
+    """Decode tokens of running requests ride in prefill rounds (one forward) and keep HF's greedy tokens."""
+    runner = _runner(arch, page_size=page_size, max_running_requests=3, chunked_prefill_size=12)
+    engine = runner.engine
+    mixed = []
+    real_forward = engine.forward
+
+    def forward(batch):
+        new = np.diff(batch.qo_indptr_host)
+        mixed.append(bool(np.any(new == 1) and np.any(new > 1)))
+        return real_forward(batch)
+
+    monkeypatch.setattr(engine, "forward", forward)
+    steps = _checked_every_step(runner, monkeypatch)
+    prompts = _prompts(1, 9)
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
+    runner.check_integrity()
+    assert any(mixed), "no forward held decode rows and prefill chunks together"
+    assert steps
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _reference(arch, tuple(prompt))
+
+
+def test_staggered_stops_with_new_prefills_joining(monkeypatch):
+    """Requests stop at different steps (stop ids) while queued ones are admitted into the freed rows."""
+    runner = _runner("llama", max_running_requests=3, chunked_prefill_size=32)
+    _checked_every_step(runner, monkeypatch)
+    prompts = _prompts(2, 8)
+    params, expected = [], []
+    for i, prompt in enumerate(prompts):
+        ref = _reference("llama", tuple(prompt))
+        stop = ref[i % NEW]
+        params.append(SamplingParams(max_new_tokens=NEW, stop_token_ids=[stop], ignore_eos=True))
+        expected.append(ref[: ref.index(stop) + 1])
+    outs = runner.run(prompts, params)
+    runner.check_integrity()
+    assert [o.token_ids for o in outs] == expected
+    assert [o.finish_reason for o in outs] == ["stop"] * len(prompts)
+    assert runner.engine.manager.num_rows == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_overlap_on_and_off_give_identical_outputs(page_size: int, monkeypatch):
+    prompts = _prompts(3, 10)
+    gen_ref = [_reference("llama", tuple(p)) for p in prompts]
+    params = []
+    for i, ref in enumerate(gen_ref):
+        if i % 3 == 0:
+            params.append(SamplingParams(max_new_tokens=NEW, temperature=0.8, top_k=20, seed=100 + i))
+        else:
+            stop = [ref[i % NEW]]
+            params.append(SamplingParams(max_new_tokens=NEW - i % 4, stop_token_ids=stop, ignore_eos=True))
+    results = {}
+    for overlap in (False, True):
+        runner = _runner("llama", page_size=page_size, max_running_requests=4, chunked_prefill_size=16,
+                         overlap=overlap)
+        _checked_every_step(runner, monkeypatch)
+        outs = runner.run(prompts, params)
+        runner.check_integrity()
+        results[overlap] = [(o.token_ids, o.finish_reason) for o in outs]
+        again = runner.run(prompts, params)  # from the cache this time
+        assert [(o.token_ids, o.finish_reason) for o in again] == results[overlap]
+        monkeypatch.undo()
+    assert results[True] == results[False]
+
+
+def test_graph_paths_run_padded_on_cpu():
+    """Decode and extend graphs (padded batches, eager off CUDA) give HF's greedy tokens in the runner."""
+    runner = _runner("gemma2", page_size=2, max_running_requests=3, chunked_prefill_size=24)
+    engine = runner.engine
+    runner.model_runner.decode_graphs = DecodeGraphs(engine, max_batch=4)
+    runner.model_runner.extend_graphs = ExtendGraphs(engine, max_rows=4, max_tokens=32)
+    prompts = _prompts(4, 7)
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
+    runner.check_integrity()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _reference("gemma2", tuple(prompt))
+    assert runner.model_runner.decode_graphs.replays > 0
+    assert runner.model_runner.extend_graphs.replays > 0
+
+
+def test_page_table_disagreement_is_caught():
+    runner = _runner("llama")
+    manager = runner.engine.manager
+    handle = manager.match([1, 2, 3, 4])
+    manager.lock(handle)
+    row = manager.open_row(handle)
+    manager.allocate([row], [4])
+    runner.check_integrity()
+    manager.table.slots[row, 2] += 1  # the device copy drifts from the host's
+    with pytest.raises(IntegrityError, match="page-table row"):
+        runner.check_integrity()
+    manager.table.slots[row, 2] -= 1
+    manager.cache_req(row, [1, 2, 3, 4], 0, finished=True)
+    runner.check_integrity()
