@@ -9,6 +9,7 @@ from . import cache_io as _cache_io
 from .attention import register as _register_attention
 from .cache_io import CacheFileError
 from .cache_utils import RadixCache
+from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
 from .errors import RequestError, UnsupportedModelError
 from .generate_hook import register_generate_support
@@ -20,6 +21,7 @@ from .stats import RadixStats
 
 __all__ = [
     "CacheFileError",
+    "DataParallelRunner",
     "IntegrityError",
     "RadixBatchRunner",
     "RadixCache",

@@ -13,6 +13,7 @@ from .errors import UnsupportedModelError
 from .forward_batch import ForwardBatch
 from .forward_context import ATTENTION_NAME, current_forward
 from .latent import expanded_attention_inputs
+from .placement import layer_device
 
 logger = logging.get_logger(__name__)
 
@@ -175,16 +176,18 @@ def radix_attention_forward(
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     backend = cache.engine.backend
+    batch = cache.batch_on(q.device)  # a device map: this layer's copy of the metadata
     if pool.shape.latent:
         k, v, k_cache, v_cache, batch = expanded_attention_inputs(
-            cache.batch, key, value, host_indices=backend.name == "torch"
+            batch, key, value, host_indices=backend.name == "torch"
         )
     else:
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
-        k_cache, v_cache, batch = pool.k_cache(layer), pool.v_cache(layer), cache.batch
-    out = backend.forward(
-        q, k, v, k_cache, v_cache, batch, scaling, sliding_window, softcap or None, s_aux
-    )
+        k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
+    with layer_device(pool, layer):  # a device map: this layer's kernels on its device
+        out = backend.forward(
+            q, k, v, k_cache, v_cache, batch, scaling, sliding_window, softcap or None, s_aux
+        )
     return out.unsqueeze(0), None
 
 

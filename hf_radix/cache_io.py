@@ -25,6 +25,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers.utils import logging
 
+from .placement import require_one_device
+
 if TYPE_CHECKING:
     from .engine import RadixEngine
 
@@ -125,12 +127,23 @@ def _check_idle(engine: RadixEngine, action: str) -> None:
         )
 
 
+def _check_one_pool(engine: RadixEngine, action: str) -> None:
+    """Cache files hold one pool's K/V: refused for a pool over several devices or a tensor-parallel shard."""
+    require_one_device(engine.pool, f"{action} of the prefix cache (cache files)")
+    if engine.tp_group is not None:
+        raise NotImplementedError(
+            f"hf_radix: {action} of the prefix cache (cache files) is not supported under tensor parallel "
+            "(each rank's pool holds only its own KV heads)"
+        )
+
+
 def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     """Writes the engine's prefix tree and the K/V of its pages to `path`; refused while requests run.
 
     Returns {"tokens", "bytes", "seconds", "gb_per_s"} (K/V bytes written per second).
     """
     _check_idle(engine, "save")
+    _check_one_pool(engine, "save")
     start = time.perf_counter()
     nodes = engine.manager.tree.nodes()
     index = {id(node): i for i, node in enumerate(nodes)}
@@ -241,6 +254,7 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     "bytes", "seconds", "gb_per_s"}.
     """
     _check_idle(engine, "load")
+    _check_one_pool(engine, "load")
     start = time.perf_counter()
     try:
         f = safe_open(os.fspath(path), framework="pt", device="cpu")

@@ -9,6 +9,7 @@ from transformers.cache_utils import Cache
 
 from .forward_batch import ForwardBatch
 from .latent import context_latents
+from .placement import batch_to
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -27,6 +28,17 @@ class RadixCache(Cache):
         super().__init__(layers=[])
         self.engine = engine
         self.batch = batch
+        self._copies: dict[torch.device, tuple[ForwardBatch, ForwardBatch]] = {}  # device -> (batch, copy)
+
+    def batch_on(self, device: torch.device) -> ForwardBatch:
+        """The batch metadata on `device` (a layer's device under a device map), copied once per batch."""
+        batch = self.batch
+        if batch is None or batch.out_loc.device == device:
+            return batch
+        copy = self._copies.get(device)
+        if copy is None or copy[0] is not batch:
+            copy = self._copies[device] = (batch, batch_to(batch, device))
+        return copy[1]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
@@ -36,9 +48,10 @@ class RadixCache(Cache):
             raise RuntimeError("RadixCache.update called outside an hf_radix forward")
         k = key_states[0].transpose(0, 1)
         v = value_states[0].transpose(0, 1)
-        self.engine.pool.store_kv(k, v, self.batch.out_loc, layer_idx)
+        batch = self.batch_on(k.device)  # a device map: this layer's copy of the metadata
+        self.engine.pool.store_kv(k, v, batch.out_loc, layer_idx)
         if self.engine.pool.shape.latent:  # MLA: the layer expands its whole context's latents itself
-            return context_latents(self.engine.pool, self.batch, layer_idx, k, v)
+            return context_latents(self.engine.pool, batch, layer_idx, k, v)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

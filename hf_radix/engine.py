@@ -17,9 +17,18 @@ from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
 from .forward_context import attention_configs, radix_attention, radix_forward
 from .host_tier import HostTier, host_tier_tokens
-from .kv_pool import KVPool, pool_size_tokens
+from .kv_pool import KVPool
 from .model_runner import ModelRunner
+from .placement import (
+    PlacedKVPool,
+    hidden_output_device,
+    is_dispatched,
+    make_kv_pool,
+    pool_devices,
+    require_one_device,
+)
 from .stats import RadixStats
+from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.get_logger(__name__)
 
@@ -57,22 +66,26 @@ class RadixEngine:
         install_attention_guard(model, support)
         self.model = model
         self.options = options or EngineOptions()
-        shape = support.kv_shape
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         page_size = self.options.page_size
-        tokens = pool_size_tokens(
-            shape, dtype, device, page_size, self.options.max_total_tokens, self.options.mem_fraction
-        )
-        num_pages = tokens // page_size
         text_config = model.config.get_text_config(decoder=True)
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         self.vocab_size = text_config.vocab_size
+        # multi-GPU hooks: KV heads of this rank's tensor-parallel shard; per-layer devices of a device map
+        self.tp_group = tp_group(model)
         # One extra page past the managed ones: padded rows of captured graphs write there.
-        self.pool = KVPool(shape, num_pages + 1, page_size, dtype, device, self.options.store_backend)
+        shape = local_kv_shape(model, support.kv_shape)
+        self.pool, num_pages = make_kv_pool(
+            model, shape, dtype, device, page_size, self.options.max_total_tokens,
+            self.options.mem_fraction, self.options.store_backend, self.tp_group,
+        )
+        self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(num_pages, page_size, device=device, scratch_slot=self.scratch_slot)
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        if host_tokens:
+            require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
         self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
         if self.host_tier is not None:
             self.host_tier.attach(self.manager)
@@ -107,10 +120,25 @@ class RadixEngine:
         return self.pool is None
 
     @property
+    def single_device(self) -> bool:
+        """One device holds every layer's K/V, without tensor parallel: CUDA graphs and side streams apply."""
+        return isinstance(self.pool, KVPool) and self.tp_group is None
+
+    @property
     def captures_graphs(self) -> bool:
-        """Forwards can replay CUDA graphs: CUDA, Triton attention, and K/V read from the pool (not MLA
-        latents, whose layers re-read every row's whole context)."""
-        return self.device.type == "cuda" and self.backend.name == "triton" and not self.pool.shape.latent
+        """Forwards can replay CUDA graphs: one CUDA device (no device map across GPUs, no tensor
+        parallel), Triton attention, and K/V read from the pool (not MLA latents, whose layers re-read
+        every row's whole context)."""
+        return (
+            self.single_device
+            and self.device.type == "cuda"
+            and self.backend.name == "triton"
+            and not self.pool.shape.latent
+        )
+
+    def sync_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Sampled tokens, the same on every tensor-parallel rank (the first rank's)."""
+        return sync_tokens(tokens, self.tp_group)
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -131,10 +159,10 @@ class RadixEngine:
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
                 use_cache=True,
-                logits_to_keep=batch.logits_indices,
+                logits_to_keep=cache.batch_on(self.output_device).logits_indices,
                 **{self.cache_kwarg: cache},
             )
-        return out.logits[0]
+        return out.logits[0].to(self.device)  # a device map may end on another device
 
     def radix_attention(self) -> contextlib.AbstractContextManager:
         """The model reads the "radix" attention in this thread (only) for the duration of the block."""
@@ -192,7 +220,7 @@ class RadixEngine:
             torch.cuda.empty_cache()
 
 
-def _announce_pool(pool: KVPool, tokens: int, options: EngineOptions) -> None:
+def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions) -> None:
     """Says how much memory the pool took and how to size it: a WARNING, once, unless sized by hand on CPU."""
     if options.max_total_tokens is not None:
         sized_by = f"max_total_tokens={options.max_total_tokens:,}"
@@ -200,9 +228,9 @@ def _announce_pool(pool: KVPool, tokens: int, options: EngineOptions) -> None:
         sized_by = f"mem_fraction={options.mem_fraction} of the free GPU memory"
     else:
         sized_by = "the default size off GPU"
-    gib = pool.buffer.numel() * pool.buffer.element_size() / 2**30
+    devices = " + ".join(str(d) for d in pool_devices(pool))  # a device map: every device with layers
     message = (
-        f"hf_radix: the KV pool of this model takes {gib:.2f} GiB of {pool.device} memory "
+        f"hf_radix: the KV pool of this model takes {pool.nbytes / 2**30:.2f} GiB of {devices} memory "
         f"({tokens:,} tokens, {sized_by}); to change it, call "
         "hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
         "or pass either to RadixBatchRunner"

@@ -419,8 +419,8 @@ _ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engin
 
 
 def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
-    """The engine's stream for steps run ahead (None off CUDA)."""
-    if engine.device.type != "cuda":
+    """The engine's stream for steps run ahead (None off CUDA, or over several devices)."""
+    if engine.device.type != "cuda" or not engine.single_device:
         return None
     stream = _ahead_streams.get(engine)
     if stream is None:

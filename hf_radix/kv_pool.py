@@ -120,6 +120,11 @@ class KVPool:
     def device(self) -> torch.device:
         return self.buffer.device
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool holds (keys and values of every layer)."""
+        return self.buffer.numel() * self.buffer.element_size()
+
     def k_cache(self, layer: int) -> torch.Tensor:
         """Keys of one layer as `[slots, kv_heads, head_dim]`."""
         return self._k[layer]

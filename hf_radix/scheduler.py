@@ -281,6 +281,7 @@ class Scheduler:
             if len(sample_rows) != len(logits):
                 chosen = logits[to_device(np.array(sample_rows), logits.device)]
             tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
+            tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
             self.manager.table.set_next_tokens(
                 to_device(np.fromiter((r.row for r in sampled), dtype=np.int64), logits.device), tokens
             )
