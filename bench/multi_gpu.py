@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import LLAMA_8B, build_llama  # noqa: E402
 from gsp import make_prompts, run_hf  # noqa: E402
 
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
@@ -47,21 +47,13 @@ from hf_radix.data_parallel import DataParallelRunner  # noqa: E402
 from hf_radix.distributed import all_gather_json  # noqa: E402
 from hf_radix.tiny import tiny_config  # noqa: E402
 
-LLAMA_70B = dict(
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    vocab_size=128256,
-    max_position_embeddings=8192,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    bos_token_id=None,
-    eos_token_id=None,
-    pad_token_id=0,
-)
+LLAMA_70B = {  # Llama-3.1-70B: the 8B shape's vocabulary, rope and heads of 128, wider and deeper
+    **LLAMA_8B,
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+}
 
 
 def sync(device: torch.device) -> None:
