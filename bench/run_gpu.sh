@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT.
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [gsp] [generate] [score] [warm] [chat] [warmtests]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [gsp] [generate] [score] [warm] [chat] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
-    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_pipeline.py tests/test_kernels_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    profile) timeout 300 python3 bench/profile_runs.py 2>&1 | tee "$OUT/profile.log" ;;
     gsp) timeout 260 python3 bench/gsp.py --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;

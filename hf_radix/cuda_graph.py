@@ -41,6 +41,11 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 
 
+class GraphCaptureError(RuntimeError):
+    """The model's forward runs eagerly but cannot be captured (it copies to or from the host, say: the
+    grouped expert matmuls of MoE models outside bf16 do)."""
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """Padded batch sizes to capture: powers of two up to 16, then steps of 16."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
@@ -161,8 +166,11 @@ class _CapturedForwards(abc.ABC):
                     self.engine.run_model(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self.engine.run_model(batch)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self.engine.run_model(batch)
+            except RuntimeError as error:  # the eager runs above passed: only capturing fails
+                raise GraphCaptureError(str(error)) from error
         torch.cuda.current_stream().synchronize()
         self.capture_time += time.perf_counter() - started
         logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, swaps)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .cuda_graph import DecodeGraphs, ExtendGraphs
+from .cuda_graph import DecodeGraphs, ExtendGraphs, GraphCaptureError
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .page_table import PADDING_ROW, to_device
 
@@ -83,14 +83,27 @@ class ModelRunner:
         the batch when no graph fits (default: the engine's counted forward).
         """
         graphs = self._graphs_for(step)
+        if graphs is not None:
+            try:
+                logits = graphs.run(step)
+            except GraphCaptureError as error:
+                self._give_up_graphs(error)
+                graphs = None
         if graphs is None:
             return (eager or self.engine.forward)(build_forward_batch(self.engine.manager.table, step))
-        logits = graphs.run(step)
         self.engine.record_forward(step.num_tokens)
         rows = step.logits_rows()
         if rows is not None:
             return logits[to_device(rows, logits.device)]
         return logits.clone() if copy and graphs.capture else logits
+
+    def _give_up_graphs(self, error: GraphCaptureError) -> None:
+        """Every later step of this engine runs eagerly: its model's forward cannot be captured."""
+        logger.warning(
+            "hf_radix: %s cannot be captured in a CUDA graph (%s); its forwards run eagerly",
+            type(self.engine.model).__name__, error,
+        )
+        self.decode_graphs = self.extend_graphs = None
 
     # -- warm-up -------------------------------------------------------------------------------------
     def warm_up(self) -> dict[str, float]:
@@ -100,17 +113,15 @@ class ModelRunner:
         cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures.
         """
         if self.warm_up_times:
-            for graphs in (self.decode_graphs, self.extend_graphs):
-                for key in graphs.shapes() if graphs is not None else ():
-                    graphs.capture_shape(key)
+            self._capture_all()
             return dict(self.warm_up_times)
         engine = self.engine
         sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
         started = time.perf_counter()
         width = engine.manager.table.width
         for tokens in WARM_UP_TOKENS:
-            for prefix in (0, min(tokens + 1, width - tokens)):
-                if prefix + tokens <= width:
+            for prefix in {0, min(tokens + 1, width - tokens)}:
+                if 0 <= prefix <= width - tokens:
                     step = StepRows(
                         rows=np.array([PADDING_ROW]), prefix_lens=np.array([prefix]),
                         new_lens=np.array([tokens]), input_ids=np.zeros(tokens, dtype=np.int64),
@@ -118,14 +129,21 @@ class ModelRunner:
                     engine.run_model(build_forward_batch(engine.manager.table, step))
         sync()
         eager = time.perf_counter() - started
-        capture = 0.0
-        for graphs in (self.decode_graphs, self.extend_graphs):
-            if graphs is not None:
-                before = graphs.capture_time
-                for key in graphs.shapes():
-                    graphs.capture_shape(key)
-                capture += graphs.capture_time - before
-        self.warm_up_times = {"eager_s": eager, "capture_s": capture}
-        logger.info("hf_radix warm-up: eager kernels %.2fs, graph captures %.2fs", eager, capture)
+        self.warm_up_times = {"eager_s": eager, "capture_s": self._capture_all()}
+        logger.info("hf_radix warm-up: %s", self.warm_up_times)
         return dict(self.warm_up_times)
+
+    def _capture_all(self) -> float:
+        """Captures every shape not captured yet; returns the seconds it took."""
+        capture = 0.0
+        try:
+            for graphs in (self.decode_graphs, self.extend_graphs):
+                if graphs is not None:
+                    before = graphs.capture_time
+                    for key in graphs.shapes():
+                        graphs.capture_shape(key)
+                    capture += graphs.capture_time - before
+        except GraphCaptureError as error:
+            self._give_up_graphs(error)
+        return capture
 

@@ -149,3 +149,41 @@ def test_page_table_disagreement_is_caught():
     manager.table.slots[row, 2] -= 1
     manager.cache_req(row, [1, 2, 3, 4], 0, finished=True)
     runner.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_warm_up_fits_a_small_page_table(page_size: int):
+    """Warm-up forwards stay inside a page table narrower than its longest prefill (a small pool)."""
+    runner = RadixBatchRunner(fresh_model("llama"), page_size=page_size, max_total_tokens=256)
+    assert runner.engine.manager.table.width < 512
+    times = runner.model_runner.warm_up()
+    assert set(times) == {"eager_s", "capture_s"}
+    runner.check_integrity()
+    prompt = random_ids(torch.Generator().manual_seed(3), 20)
+    out = runner.run([prompt], SamplingParams(max_new_tokens=NEW))[0]
+    assert out.token_ids == hf_greedy(runner.engine.model, prompt, NEW)
+    runner.check_integrity()
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
+    """A graph capture that fails (the model copies to the host, say) gives up graphs for the engine with
+    one warning; the step and every later one run eagerly with the same tokens."""
+    from hf_radix.cuda_graph import GraphCaptureError
+
+    runner = _runner("llama")
+    core = runner.model_runner
+    core.decode_graphs = DecodeGraphs(runner.engine, max_batch=4)
+    core.extend_graphs = ExtendGraphs(runner.engine, max_rows=4, max_tokens=32)
+
+    def refuse(self, step):
+        raise GraphCaptureError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+
+    monkeypatch.setattr(DecodeGraphs, "run", refuse)
+    monkeypatch.setattr(ExtendGraphs, "run", refuse)
+    prompts = _prompts(3, 5)
+    with caplog.at_level("WARNING"):
+        outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
+    runner.check_integrity()
+    assert not core.has_graphs
+    assert [o.token_ids for o in outs] == [_reference("llama", tuple(p)) for p in prompts]
+    assert sum("cannot be captured" in r.getMessage() for r in caplog.records) == 1

@@ -1,0 +1,88 @@
+"""Where the time of a steady scoring run and of gsp decode steps goes: GPU kernels and host Python.
+
+Prints torch.profiler tables (by GPU time) and cProfile tables (by own time) for one steady run of a
+smaller scoring workload (the score_bench shape, fewer questions) and for a short gsp run (8 groups x 32
+prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 weights.
+
+    python bench/profile_runs.py [--part score|gsp|both] [--questions 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import build_llama  # noqa: E402
+from score_bench import make_workload  # noqa: E402
+
+from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
+
+
+def profiled(name: str, fn) -> None:
+    """Runs `fn` once under cProfile and once under torch.profiler, after one warm run."""
+    fn()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    print(f"\n##### {name}: steady wall {time.perf_counter() - started:.3f} s")
+    stats = cProfile.Profile()
+    stats.enable()
+    fn()
+    torch.cuda.synchronize()
+    stats.disable()
+    out = io.StringIO()
+    pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(25)
+    print(f"===== {name}: Python by own time =====")
+    print("\n".join(out.getvalue().splitlines()[:45]))
+    with torch.profiler.profile() as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"===== {name}: ops by GPU time =====")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--part", default="both", choices=["score", "gsp", "both"])
+    parser.add_argument("--questions", type=int, default=128)
+    args = parser.parse_args()
+    model = build_llama(False, "cuda")
+    vocab = model.config.vocab_size
+    runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256)
+    if args.part in ("score", "both"):
+        pairs = make_workload(args.questions, 4, 1500, 100, (5, 20), vocab, 0)
+
+        def score() -> None:
+            runner.reset_cache()
+            runner.loglikelihood(pairs, progress=False)
+
+        profiled(f"scoring {len(pairs)} pairs", score)
+    if args.part in ("gsp", "both"):
+        gen = torch.Generator().manual_seed(0)
+        prompts = []
+        for _ in range(8):
+            prefix = torch.randint(10, vocab, (2048,), generator=gen).tolist()
+            prompts += [prefix + torch.randint(10, vocab, (256,), generator=gen).tolist() for _ in range(32)]
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+
+        def gsp() -> None:
+            runner.reset_cache()
+            runner.run(prompts, params, progress=False)
+
+        profiled("gsp-8x32, 16 new tokens", gsp)
+
+
+if __name__ == "__main__":
+    main()
