@@ -57,19 +57,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def hf_loglikelihood(model, pairs: list[Pair], batch_size: int, device: str) -> list[float]:
-    """The lm-eval "hf" way: longest first, right-padded batches of (context + choice)[:-1], log-softmax,
-    gather the choice tokens."""
-    model.config._attn_implementation = "sdpa"
+def padded_batches(pairs: list[Pair], batch_size: int):
+    """lm-eval's "hf" batching: longest first, right-padded (context + choice)[:-1]; yields (pair
+    indices, `[rows, width]` CPU ids)."""
     order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
+    for b in range(0, len(order), batch_size):
+        rows = order[b:b + batch_size]
+        inputs = [(pairs[i][0] + pairs[i][1])[:-1] for i in rows]
+        ids = torch.zeros(len(rows), max(map(len, inputs)), dtype=torch.long)
+        for r, seq in enumerate(inputs):
+            ids[r, :len(seq)] = torch.tensor(seq)
+        yield rows, ids
+
+
+def hf_loglikelihood(model, pairs: list[Pair], batch_size: int, device: str) -> list[float]:
+    """The lm-eval "hf" way: padded batches (`padded_batches`), log-softmax, gather the choice tokens."""
+    model.config._attn_implementation = "sdpa"
     out = [0.0] * len(pairs)
     with torch.inference_mode():
-        for b in range(0, len(order), batch_size):
-            rows = order[b:b + batch_size]
-            inputs = [(pairs[i][0] + pairs[i][1])[:-1] for i in rows]
-            ids = torch.zeros(len(rows), max(map(len, inputs)), dtype=torch.long)
-            for r, seq in enumerate(inputs):
-                ids[r, :len(seq)] = torch.tensor(seq)
+        for rows, ids in padded_batches(pairs, batch_size):
             logp = model(input_ids=ids.to(device)).logits.log_softmax(-1)
             positions, targets, owner = [], [], []
             for r, i in enumerate(rows):

@@ -35,7 +35,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LLAMA_8B, build_llama  # noqa: E402
-from score_bench import Pair, make_workload  # noqa: E402
+from score_bench import Pair, make_workload, padded_batches  # noqa: E402
 
 from hf_radix import RadixBatchRunner  # noqa: E402
 
@@ -65,15 +65,9 @@ def unpadded(model, pairs: list[Pair], attention: str = "sdpa", kept: bool = Fal
 def padded(model, pairs: list[Pair], batch_size: int, softmax_dtype: torch.dtype | None) -> np.ndarray:
     """lm-eval's hf: longest first, right-padded batches, `log_softmax(dtype=softmax_dtype)`, gather."""
     device = model.device
-    order = sorted(range(len(pairs)), key=lambda i: -len(pairs[i][0]) - len(pairs[i][1]))
     out = np.zeros(len(pairs))
     with torch.inference_mode():
-        for b in range(0, len(order), batch_size):
-            rows = order[b:b + batch_size]
-            inputs = [(pairs[i][0] + pairs[i][1])[:-1] for i in rows]
-            ids = torch.zeros(len(rows), max(map(len, inputs)), dtype=torch.long)
-            for r, seq in enumerate(inputs):
-                ids[r, :len(seq)] = torch.tensor(seq)
+        for rows, ids in padded_batches(pairs, batch_size):
             logits = model(input_ids=ids.to(device)).logits
             logp = torch.nn.functional.log_softmax(logits, -1, dtype=softmax_dtype)
             for r, i in enumerate(rows):
