@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
 from common import LLAMA_8B, build_llama  # noqa: E402
 from score_bench import Pair, make_workload, padded_batches  # noqa: E402
