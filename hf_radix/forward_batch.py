@@ -133,13 +133,21 @@ def gather_contexts(
     return slots[row_of, positions].long()
 
 
-def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
+SLOT_LISTS = ("both", "context", "prefix")
+
+
+def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "both") -> ForwardBatch:
     """The kernels' metadata of `step`, built on the device from the page table.
+
+    `slot_lists` names the slot lists the kernels will read: every row's whole context (`kv_indices`,
+    decode), its cached prefix (`prefix_kv_indices`, extend) or both; one left out is empty.
 
     The host sends O(tokens + rows) numbers in one staged copy (which also carries the page-table writes
     made since the last one); the slot lists of whole contexts and cached prefixes are gathered from the
     device table.
     """
+    if slot_lists not in SLOT_LISTS:
+        raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     prefix, new = step.prefix_lens, step.new_lens
     seq = prefix + new
     qo_indptr, kv_indptr, prefix_indptr = _indptr(new), _indptr(seq), _indptr(prefix)
@@ -164,6 +172,8 @@ def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
     qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow
     if len(from_table):
         input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
+    context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
+    prefix_total = int(prefix_indptr[-1]) if slot_lists != "context" else 0
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
@@ -171,9 +181,9 @@ def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], int(kv_indptr[-1])),
+        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], int(prefix_indptr[-1])),
+        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,

@@ -90,13 +90,15 @@ class PageTable:
         """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`."""
         if len(slots) == 0:
             return
-        if positions.max() >= self.width:
-            raise ValueError(
-                f"a request needs {int(positions.max()) + 1} positions; the page table holds {self.width} "
-                "(the KV pool)"
-            )
+        self._check_width(int(positions.max()) + 1)
         self.host[rows, positions] = slots
         self._pending.append(rows.astype(np.int64) * self.width + positions)
+
+    def _check_width(self, positions: int) -> None:
+        if positions > self.width:
+            raise ValueError(
+                f"a request needs {positions} positions; the page table holds {self.width} (the KV pool)"
+            )
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """`parts` on the device (one staged copy), after the device table received the pending writes.
@@ -120,8 +122,12 @@ class PageTable:
 
     def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
         """Sets positions `start:start + len(slots)` of one row."""
-        positions = np.arange(start, start + len(slots), dtype=np.int64)
-        self.write(np.full(len(slots), row, dtype=np.int64), positions, np.asarray(slots))
+        end = start + len(slots)
+        self._check_width(end)
+        if end == start:
+            return
+        self.host[row, start:end] = slots
+        self._pending.append(np.arange(row * self.width + start, row * self.width + end, dtype=np.int64))
 
     def set_next_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Records, on the device, the token each of `rows` computes next."""
