@@ -7,9 +7,10 @@ returns canned logits. What is left is the host work of each step (what `bench/g
 `decode_step_host_ms` on a GPU) plus the metadata ops that would be device kernels there but execute
 synchronously on the CPU here. A second run counts and times those aten ops (a dispatch mode), so
 `python_ms` = host time - aten time is the host work proper, and the GPU estimate adds one kernel launch
-(`LAUNCH_US`) per aten op; a third run is profiled (cProfile) for the top host functions on a
-GPU). A 5-shot scoring workload (questions x choices behind one shared prefix) is measured the same way,
-per forward. Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
+(`LAUNCH_US`) per aten op; a third run is profiled (cProfile): the top host functions and the Python
+calls per step (a count that, unlike the times, does not depend on the machine's load). A 5-shot scoring
+workload (512 questions x 4 choices behind one 1,500-token prefix) is measured the same way, per run.
+Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def measure_decode(args) -> dict:
     timer = _OpTimer()
     _, _ = _timed_steps(runner, prompts, params, is_decode, lambda: timer)
     profile = cProfile.Profile()
-    profiled, _ = _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
+    _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
     steps = len(wall_steps)
     host_ms = 1e3 * statistics.median(wall_steps)
     op_ms = 1e3 * timer.seconds / steps
@@ -147,6 +148,7 @@ def measure_decode(args) -> dict:
         "decode_step_aten_ms_cpu": op_ms,
         "decode_step_python_ms": python_ms,
         "decode_step_host_ms_gpu_estimate": python_ms + timer.ops / steps * LAUNCH_US / 1e3,
+        "decode_step_python_calls": pstats.Stats(profile).total_calls / steps,
         "run_wall_s": wall,
         "profile_top": _top(profile),
     }
@@ -195,6 +197,7 @@ def measure_scoring(args) -> dict:
         "aten_s_cpu": timer.seconds,
         "python_s": wall - timer.seconds,
         "host_s_gpu_estimate": wall - timer.seconds + timer.ops * LAUNCH_US / 1e6,
+        "python_calls": pstats.Stats(profile).total_calls,
         "profile_top": _top(profile),
     }
 

@@ -283,10 +283,12 @@ class Scheduler:
         if sampled:
             chosen = logits
             subset = len(sample_rows) != len(logits)
-            rows_d, *picked = table.upload(
-                [np.fromiter((r.row for r in sampled), dtype=np.int64, count=len(sampled))]
-                + ([np.array(sample_rows, dtype=np.int64)] if subset else [])
-            )
+            joining = sampled[decoding:]  # requests whose prefill ends this step: their first token
+            rows = step.rows[:decoding]
+            if joining:
+                rows = np.concatenate([rows, np.fromiter((r.row for r in joining), dtype=np.int64)])
+            picks = [np.array(sample_rows, dtype=np.int64)] if subset else []
+            rows_d, *picked = table.upload([rows, *picks])
             if subset:
                 chosen = logits[picked[0]]
             tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
