@@ -50,5 +50,5 @@ class HostStaging:
         packed = buffer[:total].to(self.device, non_blocking=True)
         if event is None:
             event = self._events[slot] = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
         return list(packed.split(sizes))

@@ -106,3 +106,18 @@ def test_batched_writes_under_eviction_keep_the_table_exact(page_size: int, monk
     assert uploads and max(uploads) <= 3
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(_model(), prompt, NEW)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
+    """With the stream held up by a long kernel, more uploads than the ring has buffers each keep their
+    own values: a buffer is refilled only after its last copy completed."""
+    from hf_radix.staging import RING
+
+    staging = HostStaging("cuda")
+    torch.cuda._sleep(200_000_000)  # the copies below queue behind this
+    outs = [staging.upload([np.full(1000 + i, i, dtype=np.int64)])[0] for i in range(3 * RING)]
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert out.shape == (1000 + i,) and bool((out == i).all())
