@@ -23,10 +23,9 @@ class OutOfPagesError(RuntimeError):
 
 @dataclass
 class _Row:
-    """A running request's page-table row: how much of it is allocated and the lock on its cached prefix."""
+    """A running request's page-table row: the lock on its cached prefix (the tree node it reads)."""
 
     handle: MatchHandle
-    allocated_len: int  # positions with a slot in the page table (a multiple of the page size)
 
 
 class CacheManager:
@@ -55,6 +54,8 @@ class CacheManager:
         self.table = PageTable(num_pages * page_size, device, scratch)  # a row never outgrows the pool
         self._free = np.arange(num_pages, dtype=np.int64) * page_size  # first slot of each free page
         self._rows: dict[int, _Row] = {}
+        # per table row: positions with a slot (a multiple of the page size); -1 for a row not open
+        self._allocated = np.full(self.table.capacity, -1, dtype=np.int64)
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
         self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
@@ -105,17 +106,31 @@ class CacheManager:
         if not handle.locked:
             raise ValueError("open_row needs a locked handle; lock it first so the prefix cannot be evicted")
         row = self.table.open()
-        self._rows[row] = _Row(handle, handle.cached_len)
+        if row >= len(self._allocated):
+            self._allocated = np.concatenate(
+                [self._allocated, np.full(self.table.capacity - len(self._allocated), -1, dtype=np.int64)]
+            )
+        self._rows[row] = _Row(handle)
+        self._allocated[row] = handle.cached_len
         self.table.write_row(row, 0, handle.matched_indices())
         return row
 
+    def reserve_rows(self, rows: int) -> None:
+        """Sizes the page table for `rows` running requests now (a warm-up), not during a run."""
+        self.table.reserve(rows)
+        grow = self.table.capacity - len(self._allocated)
+        if grow > 0:
+            self._allocated = np.concatenate([self._allocated, np.full(grow, -1, dtype=np.int64)])
+
     def row_slots(self, row: int) -> np.ndarray:
         """Slot indices of the row's allocated positions (a view of the host table; do not modify)."""
-        return self.table.host[row, : self._rows[row].allocated_len]
+        return self.table.host[row, : self.row_len(row)]
 
     def row_len(self, row: int) -> int:
         """Positions of the row with a slot."""
-        return self._rows[row].allocated_len
+        if row not in self._rows:
+            raise KeyError(f"page-table row {row} is not open")
+        return int(self._allocated[row])
 
     def row_cached_len(self, row: int) -> int:
         """Length of the row's prefix held (and locked) in the tree."""
@@ -129,7 +144,9 @@ class CacheManager:
         if len(rows) == 0:
             return
         rows = np.asarray(rows, dtype=np.int64)
-        current = np.fromiter((self._rows[r].allocated_len for r in rows), dtype=np.int64, count=len(rows))
+        current = self._allocated[rows]
+        if current.min() < 0:
+            raise KeyError(f"page-table row {int(rows[np.argmin(current)])} is not open")
         ps = self.page_size
         needs = np.maximum(0, -(-np.asarray(lengths, dtype=np.int64) // ps) - current // ps)
         total = int(needs.sum())
@@ -143,12 +160,14 @@ class CacheManager:
                 f"{self.table.width} (the KV pool)"
             )
         pages = self._take_pages(total)
-        slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
-        starts = np.repeat(np.cumsum(counts) - counts, counts)
-        positions = np.arange(len(slots), dtype=np.int64) - starts + np.repeat(current, counts)
-        self.table.write(np.repeat(rows, counts), positions, slots)
-        for row, length in zip(rows.tolist(), (current + counts).tolist()):
-            self._rows[row].allocated_len = length
+        if ps == 1 and len(rows) == total:  # one new slot per row (a decode step)
+            self.table.write(rows, current, pages)
+        else:
+            slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+            starts = np.repeat(np.cumsum(counts) - counts, counts)
+            positions = np.arange(len(slots), dtype=np.int64) - starts + np.repeat(current, counts)
+            self.table.write(np.repeat(rows, counts), positions, slots)
+        self._allocated[rows] = current + counts
 
     def cache_req(
         self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool
@@ -160,10 +179,11 @@ class CacheManager:
         and every other page the row owns, and closes the row. Returns the length now held by the tree.
         """
         state = self._rows[row]
-        if not state.handle.cached_len <= num_computed <= min(state.allocated_len, len(token_ids)):
+        allocated = int(self._allocated[row])
+        if not state.handle.cached_len <= num_computed <= min(allocated, len(token_ids)):
             raise ValueError(
                 f"num_computed={num_computed} must lie between the cached prefix ({state.handle.cached_len}) "
-                f"and the row's tokens/allocation ({min(state.allocated_len, len(token_ids))})"
+                f"and the row's tokens/allocation ({min(allocated, len(token_ids))})"
             )
         slots = self.row_slots(row)
         aligned = num_computed - num_computed % self.page_size
@@ -175,6 +195,7 @@ class CacheManager:
         if finished:
             self._release(slots[aligned:])
             del self._rows[row]
+            self._allocated[row] = -1
             self.table.close(row)
         else:
             self.tree.lock(new)
@@ -255,6 +276,8 @@ class CacheManager:
         for state in self._rows.values():
             if not state.handle.locked:
                 raise IntegrityError("a running request's prefix is not locked")
+        if set(np.flatnonzero(self._allocated >= 0).tolist()) != set(self._rows):
+            raise IntegrityError("the allocated lengths name other rows than the open ones")
         self.tree.check_integrity(locks=[state.handle for state in self._rows.values()])
         ps = self.page_size
         limit = self.num_pages * ps  # the scratch page (first slot `limit`) is never managed
@@ -287,6 +310,6 @@ class CacheManager:
 
     def _check_page_table(self) -> None:
         """The device page table equals the host one on every running row; the padding row is intact."""
-        problem = self.table.check({row: state.allocated_len for row, state in self._rows.items()})
+        problem = self.table.check({row: int(self._allocated[row]) for row in self._rows})
         if problem is not None:
             raise IntegrityError(problem)

@@ -137,7 +137,9 @@ class _CapturedForwards(abc.ABC):
         On CUDA the result is the graph's output buffer: valid until the next replay.
         """
         self.replays += 1
-        batch = build_forward_batch(self.table, padded)
+        # a graph's kernels read one slot list; eager runs (off CUDA) may use any backend
+        lists = ("context" if self.decode else "prefix") if self.capture else "both"
+        batch = build_forward_batch(self.table, padded, lists)
         if not self.capture:
             return self.engine.run_model(batch)[:real_rows]
         if key not in self._graphs:

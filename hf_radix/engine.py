@@ -16,6 +16,7 @@ from .cache_utils import RadixCache
 from .capability import check_model, install_attention_guard
 from .forward_batch import ForwardBatch
 from .forward_context import attention_configs, radix_attention, radix_forward
+from .fused_ops import fused_norm_and_rope
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
 from .model_runner import ModelRunner
@@ -46,7 +47,7 @@ class EngineOptions:
     store_backend: str = "auto"
     cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
     cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
-    fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels in graphs
+    fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels (CUDA)
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
@@ -152,9 +153,21 @@ class RadixEngine:
         return self._model_runner
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
+        """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`.
+
+        With `fused_ops` on one CUDA device with Triton attention, Llama-style norms and rotary embeddings
+        run as single Triton kernels here too (as in captured graphs): exact to fp32 rounding, a fraction
+        of the launches.
+        """
         cache = RadixCache(self, batch)
-        with self.radix_attention(), radix_forward(cache), torch.inference_mode():
+        fused = (
+            self.options.fused_ops and self.single_device and self.device.type == "cuda"
+            and self.backend.name == "triton"
+        )
+        with (
+            self.radix_attention(), radix_forward(cache), torch.inference_mode(),
+            fused_norm_and_rope(self.model) if fused else contextlib.nullcontext(),
+        ):
             out = self.model(
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .page_table import PageTable, to_device
+from .page_table import PageTable
 
 
 @dataclass
@@ -133,13 +133,21 @@ def gather_contexts(
     return slots[row_of, positions].long()
 
 
-def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
+SLOT_LISTS = ("both", "context", "prefix")
+
+
+def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "both") -> ForwardBatch:
     """The kernels' metadata of `step`, built on the device from the page table.
 
-    The host sends O(tokens + rows) numbers (one copy per index width); the slot lists of whole contexts
-    and cached prefixes are gathered from the device table.
+    `slot_lists` names the slot lists the kernels will read: every row's whole context (`kv_indices`,
+    decode), its cached prefix (`prefix_kv_indices`, extend) or both; one left out is empty.
+
+    The host sends O(tokens + rows) numbers in one staged copy (which also carries the page-table writes
+    made since the last one); the slot lists of whole contexts and cached prefixes are gathered from the
+    device table.
     """
-    device = table.device
+    if slot_lists not in SLOT_LISTS:
+        raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     prefix, new = step.prefix_lens, step.new_lens
     seq = prefix + new
     qo_indptr, kv_indptr, prefix_indptr = _indptr(new), _indptr(seq), _indptr(prefix)
@@ -153,18 +161,19 @@ def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
             [np.asarray(o, dtype=np.int64) + start for o, start in zip(step.logits_offsets, qo_indptr)]
         )
     from_table = _concat([]) if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
+    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # sent once more, cast to int32
     parts = [
         step.input_ids, positions, token_rows, logits, from_table, token_rows[from_table], step.rows, seq,
-        prefix, kv_indptr, prefix_indptr,
+        prefix, kv_indptr, prefix_indptr, np.concatenate(narrow_parts),
     ]
-    wide = to_device(np.concatenate(parts), device).split([len(a) for a in parts])
+    wide = table.upload(parts)  # one copy, with the page-table writes made since the last one
     input_ids, positions_d, token_rows_d, logits_d, table_pos, table_rows, rows_d, seq_d, prefix_d = wide[:9]
-    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]
-    narrow = to_device(np.concatenate(narrow_parts), device, torch.int32)
-    sizes = [len(qo_indptr), len(seq), len(seq), len(kv_indptr), len(prefix_indptr)]
-    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow.split(sizes)
+    narrow = wide[11].to(torch.int32).split([len(a) for a in narrow_parts])
+    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow
     if len(from_table):
         input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
+    context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
+    prefix_total = int(prefix_indptr[-1]) if slot_lists != "context" else 0
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
@@ -172,9 +181,9 @@ def build_forward_batch(table: PageTable, step: StepRows) -> ForwardBatch:
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], int(kv_indptr[-1])),
+        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], int(prefix_indptr[-1])),
+        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,

@@ -1,10 +1,12 @@
-"""Llama-style RMSNorm and rotary embedding as single Triton kernels inside captured CUDA graphs.
+"""Llama-style RMSNorm and rotary embedding as single Triton kernels: in captured graphs and eager forwards.
 
 A captured graph keeps the kernels it recorded and nothing of the Python that launched them. So while a
-graph is captured, the model's RMSNorm modules and its modelling module's `apply_rotary_pos_emb` are
-swapped for one-kernel versions, and restored right after: every replay runs the fused kernels, and the
-model, its modelling module and every eager forward stay as they were. The swapped versions run the fused
-kernels only in the capturing thread's context: another thread's forward meanwhile runs the originals.
+graph is captured, or an eager radix forward runs on CUDA (`RadixEngine.run_model`), the model's RMSNorm
+modules and its modelling module's `apply_rotary_pos_emb` are swapped for one-kernel versions, and
+restored right after: replays and eager radix forwards run the fused kernels (exact to fp32 rounding, a
+fraction of the launches), and the model and its modelling module stay as they were outside. The swapped
+versions run the fused kernels only in the swapping thread's context: another thread's forward meanwhile
+runs the originals.
 
 Only code that is exactly Llama's (same bytecode) is swapped; Mistral, Qwen2/3, Granite, SmolLM3 and
 others share it. The rest (Gemma's `1 + weight` norm, say) keep their own, as do calls with shapes or

@@ -6,12 +6,18 @@ device table through row indices and lengths, never through re-uploaded contexts
 padding: every position of it is the scratch slot, so padded rows of captured graphs write there.
 Each row also keeps, on the device, the next token it will compute (`next_token`): the runner writes the
 token it samples there, and the next step reads it without a round trip through the host.
+
+Writes land in the host table at once; the device table receives them at the next `upload` (the step's
+metadata), in the same staged copy, so the writes of one step (new slots of every row, prefixes of new
+rows, re-pointed duplicates) cost one copy and one scatter whatever their number.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from .staging import HostStaging
 
 PADDING_ROW = 0
 _FIRST_ROWS = 16
@@ -46,6 +52,8 @@ class PageTable:
         self.host[PADDING_ROW] = scratch_slot
         self.slots[PADDING_ROW] = scratch_slot
         self._free_rows = list(range(_FIRST_ROWS - 1, PADDING_ROW, -1))  # a stack: lowest row on top
+        self.staging = HostStaging(self.device)
+        self._pending: list[np.ndarray] = []  # flat positions written on the host, not yet on the device
 
     @property
     def capacity(self) -> int:
@@ -54,36 +62,72 @@ class PageTable:
     def open(self) -> int:
         """A free row (the table doubles when full)."""
         if not self._free_rows:
-            old = self.capacity
-            self.host = np.concatenate([self.host, np.zeros_like(self.host)])
-            with torch.inference_mode(False):
-                self.slots = torch.cat([self.slots, torch.zeros_like(self.slots)])
-                self.next_token = torch.cat([self.next_token, torch.zeros_like(self.next_token)])
-            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+            self.reserve(2 * self.capacity - 1)
         return self._free_rows.pop()
+
+    def reserve(self, rows: int) -> None:
+        """Grows the table (host and device) to hold `rows` open rows besides the padding row."""
+        old = self.capacity
+        if rows + 1 <= old:
+            return
+        new = max(rows + 1, 2 * old)
+        grown = np.zeros((new, self.width), dtype=np.int32)
+        grown[:old] = self.host
+        self.host = grown
+        with torch.inference_mode(False):
+            slots = torch.zeros((new, self.width), dtype=torch.int32, device=self.device)
+            slots[:old] = self.slots
+            next_token = torch.zeros(new, dtype=torch.int64, device=self.device)
+            next_token[:old] = self.next_token
+        self.slots, self.next_token = slots, next_token
+        self._free_rows = list(range(new - 1, old - 1, -1)) + self._free_rows
 
     def close(self, row: int) -> None:
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
 
     def write(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Sets `table[rows[i], positions[i]] = slots[i]` on the host and the device (one copy)."""
+        """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`."""
         if len(slots) == 0:
             return
-        if positions.max() >= self.width:
-            raise ValueError(
-                f"a request needs {int(positions.max()) + 1} positions; the page table holds {self.width} "
-                "(the KV pool)"
-            )
+        self._check_width(int(positions.max()) + 1)
         self.host[rows, positions] = slots
-        flat = rows.astype(np.int64) * self.width + positions
-        packed = to_device(np.concatenate([flat, slots.astype(np.int64)]), self.device)
-        self.slots.view(-1).index_copy_(0, packed[: len(flat)], packed[len(flat) :].to(torch.int32))
+        self._pending.append(rows.astype(np.int64) * self.width + positions)
+
+    def _check_width(self, positions: int) -> None:
+        if positions > self.width:
+            raise ValueError(
+                f"a request needs {positions} positions; the page table holds {self.width} (the KV pool)"
+            )
+
+    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """`parts` on the device (one staged copy), after the device table received the pending writes.
+
+        The values sent are read from the host table now, so a position written twice since the last
+        upload carries its last value in every duplicate (the scatter's order cannot matter).
+        """
+        if not self._pending:
+            return self.staging.upload(parts)
+        flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        values = self.host.reshape(-1)[flat]
+        position, value, *out = self.staging.upload([flat, values, *parts])
+        self.slots.view(-1).index_copy_(0, position, value.to(torch.int32))
+        return out
+
+    def flush(self) -> None:
+        """Sends the pending writes to the device table now."""
+        if self._pending:
+            self.upload([])
 
     def write_row(self, row: int, start: int, slots: np.ndarray) -> None:
         """Sets positions `start:start + len(slots)` of one row."""
-        positions = np.arange(start, start + len(slots), dtype=np.int64)
-        self.write(np.full(len(slots), row, dtype=np.int64), positions, np.asarray(slots))
+        end = start + len(slots)
+        self._check_width(end)
+        if end == start:
+            return
+        self.host[row, start:end] = slots
+        self._pending.append(np.arange(row * self.width + start, row * self.width + end, dtype=np.int64))
 
     def set_next_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Records, on the device, the token each of `rows` computes next."""
@@ -91,6 +135,7 @@ class PageTable:
 
     def check(self, lengths: dict[int, int]) -> str | None:
         """A description of the first disagreement between host and device rows (`lengths`: open rows)."""
+        self.flush()
         device = self.slots.cpu().numpy()
         padding = (self.host[PADDING_ROW], device[PADDING_ROW])
         if any(np.any(p != self.scratch_slot) for p in padding):

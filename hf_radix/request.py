@@ -22,13 +22,15 @@ class RequestOutput:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's list operations stay O(1) per element
 class Req:
     """One prompt moving through match → lock → allocate → prefill (chunks) → decode → release.
 
     `num_computed` tokens have K/V in the pool; `token_ids[num_computed:]` are still to be computed.
     A scoring request (`score_from` set) wants the logits of positions `score_from .. len(token_ids) - 2`
     and generates nothing; its last token is never computed (`prompt_len` excludes it).
+    `ids` holds the same tokens as an int64 array (what the tree, the page table and the metadata read);
+    generated tokens go through `append` so both stay equal.
     """
 
     index: int
@@ -45,9 +47,27 @@ class Req:
     greedy_match: bool = True
     finish_reason: str | None = None
     error: str | None = None
+    launch_limit: int = 0  # generated tokens to launch at most (set when the request starts decoding)
 
     def __post_init__(self):
         self.prompt_len = len(self.token_ids) - (self.score_from is not None)
+        self._ids = np.empty(max(len(self.token_ids), self.final_len), dtype=np.int64)
+        self._ids[: len(self.token_ids)] = self.token_ids
+        self._match_ids: np.ndarray | None = None
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The tokens so far as an int64 array (a view; do not modify)."""
+        return self._ids[: len(self.token_ids)]
+
+    def append(self, token: int) -> None:
+        """Adds a generated token."""
+        self._ids[len(self.token_ids)] = token
+        self.token_ids.append(token)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.prompt_len
 
     @property
     def generated(self) -> list[int]:
@@ -60,8 +80,10 @@ class Req:
     @property
     def match_ids(self) -> np.ndarray:
         """Tokens the prefix match may cover (plus one): the first logits position is never cached."""
-        end = self.prompt_len if self.score_from is None else self.score_from + 1
-        return np.asarray(self.token_ids[:end], dtype=np.int64)
+        if self._match_ids is None:
+            end = self.prompt_len if self.score_from is None else self.score_from + 1
+            self._match_ids = self._ids[:end]
+        return self._match_ids
 
     @property
     def final_len(self) -> int:

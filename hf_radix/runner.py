@@ -69,6 +69,7 @@ class RadixBatchRunner:
     def _bind(self, engine: RadixEngine) -> None:
         """Uses `engine`: its model-runner core (graphs sized for this runner), a scheduler, the warm-up."""
         self.engine = engine
+        engine.manager.reserve_rows(self._scheduler_options["max_running_requests"])  # not in a first run
         if self._cuda_graph:
             self.model_runner = engine.model_runner
             self.model_runner.ensure_graph_batch(self._scheduler_options["max_running_requests"])

@@ -23,7 +23,6 @@ from .engine import RadixEngine
 from .forward_batch import StepRows
 from .logprobs import target_logprobs
 from .model_runner import ModelRunner
-from .page_table import to_device
 from .radix_tree import RadixPrefixCache
 from .request import Req
 from .sampling import Sampler
@@ -224,26 +223,28 @@ class Scheduler:
     @staticmethod
     def _note_in_batch(tree: RadixPrefixCache, req: Req, end: int) -> None:
         start = tree.size_info.total_size
-        tree.insert_prefix(req.token_ids[:end], np.arange(start, start + end, dtype=np.int64))
+        tree.insert_prefix(req.ids[:end], np.arange(start, start + end, dtype=np.int64))
 
     def _active(self) -> int:
         return len(self.running) + len(self.prefilling)
 
     # -- launching a step ----------------------------------------------------------------------------
-    def _step_rows(self, items: list[Item]) -> StepRows:
-        """The step in page-table terms; decode tokens are read on the device (the last step sampled them)."""
+    def _step_rows(self, items: list[Item], decoding: int) -> StepRows:
+        """The step in page-table terms; decode tokens are read on the device (the last step sampled them).
+
+        The first `decoding` items are running requests' decode tokens (one each).
+        """
         n = len(items)
-        starts = np.fromiter((s for _, s, _ in items), dtype=np.int64, count=n)
-        ends = np.fromiter((e for _, _, e in items), dtype=np.int64, count=n)
-        decoding = len(self.running)  # the first items: one token each, sampled by the step before
-        prefill_ids = [np.asarray(req.token_ids[s:e], dtype=np.int64) for req, s, e in items[decoding:]]
-        input_ids = np.concatenate([np.zeros(decoding, dtype=np.int64), *prefill_ids])
+        table = np.array([(req.row, s, e) for req, s, e in items], dtype=np.int64).reshape(n, 3)
+        starts, ends = table[:, 1], table[:, 2]
+        prefill = items[decoding:]
+        input_ids = np.concatenate([np.zeros(decoding, dtype=np.int64), *(r.ids[s:e] for r, s, e in prefill)])
         offsets = None
-        if any(req.score_from is not None or e < req.prompt_len for req, _, e in items[decoding:]):
+        if any(req.score_from is not None or e < req.prompt_len for req, _, e in prefill):
             offsets = [req.logits_offsets(s, e) for req, s, e in items]
         return StepRows(
-            rows=np.fromiter((req.row for req, _, _ in items), dtype=np.int64, count=n),
-            prefix_lens=starts,
+            rows=table[:, 0].copy(),
+            prefix_lens=starts.copy(),
             new_lens=ends - starts,
             input_ids=input_ids,
             logits_offsets=offsets,
@@ -252,39 +253,47 @@ class Scheduler:
 
     def _launch(self, items: list[Item], started: float) -> _Launched:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
-        self.manager.allocate([req.row for req, _, _ in items], [end for _, _, end in items])
-        step = self._step_rows(items)
-        decode = step.is_decode
+        decoding = len(self.running)  # the first items (see `_schedule`)
+        step = self._step_rows(items, decoding)
+        self.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
+        decode = decoding == len(items)
         timer = None
         if self.profile and decode:
             timer = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             timer[0].record()
         logits = self.model_runner.forward(step)
-        sampled: list[Req] = []
-        sample_rows: list[int] = []
+        # decode items: one sampled token each, at logits rows 0..decoding-1
+        sampled: list[Req] = list(self.running)
+        sample_rows: list[int] = list(range(decoding))
         scored: list[tuple[Req, np.ndarray, bool]] = []
         score_rows: list[np.ndarray] = []
-        offset = 0
-        for req, start, end in items:
-            count = len(req.logits_offsets(start, end)) if step.logits_offsets is not None else 1
+        offset = decoding
+        for req, start, end in items[decoding:]:
+            wanted = req.logits_offsets(start, end) if step.logits_offsets is not None else None
+            count = 1 if wanted is None else len(wanted)
             if req.score_from is not None:
-                targets = np.asarray(req.token_ids[start + 1 : end + 1])[req.logits_offsets(start, end)]
-                scored.append((req, targets, end == req.prompt_len))
+                scored.append((req, req.ids[start + 1 : end + 1][wanted], end == req.prompt_len))
                 score_rows.append(np.arange(offset, offset + count))
             elif count:
                 sampled.append(req)
                 sample_rows.append(offset)
             offset += count
+        table = self.manager.table
         tokens_host = None
         if sampled:
             chosen = logits
-            if len(sample_rows) != len(logits):
-                chosen = logits[to_device(np.array(sample_rows), logits.device)]
+            subset = len(sample_rows) != len(logits)
+            joining = sampled[decoding:]  # requests whose prefill ends this step: their first token
+            rows = step.rows[:decoding]
+            if joining:
+                rows = np.concatenate([rows, np.fromiter((r.row for r in joining), dtype=np.int64)])
+            picks = [np.array(sample_rows, dtype=np.int64)] if subset else []
+            rows_d, *picked = table.upload([rows, *picks])
+            if subset:
+                chosen = logits[picked[0]]
             tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
             tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
-            self.manager.table.set_next_tokens(
-                to_device(np.fromiter((r.row for r in sampled), dtype=np.int64), logits.device), tokens
-            )
+            table.set_next_tokens(rows_d, tokens)
             tokens_host = _copy_to_host(tokens)
         scores = self._scores(logits, score_rows, [t for _, t, _ in scored]) if scored else None
         done = None
@@ -294,37 +303,39 @@ class Scheduler:
         if timer is not None:
             timer[1].record()
             self._timed.append(timer)
-        self._advance(items)
+        self._advance(items, decoding)
         if decode:
             self.step_times.host_s.append(time.perf_counter() - started)
         return _Launched(sampled, tokens_host, [(r, len(t), last) for r, t, last in scored], scores, done)
 
-    def _advance(self, items: list[Item]) -> None:
+    def _advance(self, items: list[Item], decoding: int) -> None:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain."""
+        done: list[Req] = []
+        for req in self.running[:decoding]:  # the decode items, in order
+            req.num_computed += 1
+            req.launched += 1
+            if req.launched >= req.launch_limit:
+                done.append(req)
         with self.manager.lazy_free_region():
-            for req, _, end in items:
+            for req, _, end in items[decoding:]:
                 req.num_computed = end
                 if not req.prefilled:
-                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
+                    self.manager.cache_req(req.row, req.ids, end, finished=False)
                     continue
+                self.prefilling.remove(req)
+                self.manager.cache_req(req.row, req.ids, end, finished=False)
                 if req.score_from is not None:  # cached now for later steps; released with its scores
-                    self.prefilling.remove(req)
-                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
                     self.draining.append(req)
                     continue
-                if req in self.prefilling:
-                    self.prefilling.remove(req)
-                    self.manager.cache_req(req.row, req.token_ids, end, finished=False)
-                    self.running.append(req)
+                req.launch_limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
                 req.launched += 1
-                limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
-                if req.launched >= limit:
-                    self.running.remove(req)
-                    self.draining.append(req)
+                (self.running if req.launched < req.launch_limit else self.draining).append(req)
+        for req in done:
+            self.running.remove(req)
+            self.draining.append(req)
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
-        index = to_device(np.concatenate(rows), logits.device)
-        target = to_device(np.concatenate(targets), logits.device)
+        index, target = self.manager.table.upload([np.concatenate(rows), np.concatenate(targets)])
         logp, greedy = target_logprobs(logits, index, target)
         return _copy_to_host(logp.double()), _copy_to_host(greedy)
 
@@ -349,7 +360,7 @@ class Scheduler:
             for req, token in zip(launched.sampled, launched.tokens.tolist()):
                 if req.finish_reason is not None:
                     continue  # it stopped a step earlier: this token was computed past its end
-                req.token_ids.append(token)
+                req.append(token)
                 reason = self._finish_reason(req, token)
                 if reason is not None:
                     (self.running if req in self.running else self.draining).remove(req)
@@ -362,7 +373,7 @@ class Scheduler:
         detector = self.stop_strings
         if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
             return "stop"
-        if len(req.generated) >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
+        if req.num_generated >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
             return "length"
         return None
 
@@ -379,8 +390,8 @@ class Scheduler:
         A generated request's last token has no K/V of its own (or only from a step past its end).
         """
         if req.row is not None:
-            known = len(req.token_ids) - (1 if req.generated else 0)
-            self.manager.cache_req(req.row, req.token_ids, min(req.num_computed, known), finished=True)
+            known = len(req.token_ids) - (1 if req.num_generated else 0)
+            self.manager.cache_req(req.row, req.ids, min(req.num_computed, known), finished=True)
             req.row = None
         self.sampler.drop(req.index)
         if self.stop_strings is not None:

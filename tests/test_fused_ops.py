@@ -139,3 +139,45 @@ def test_fused_kernels_under_the_interpreter(report: dict[str, Any], name: str) 
 
 if __name__ == "__main__" and "--interp" in sys.argv:
     report_checks(CHECKS)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Eager radix forwards on CUDA (GPU only)
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_eager_radix_forwards_run_fused_and_score_the_same(monkeypatch) -> None:
+    """With fused_ops on, prefill/scoring forwards swap in the fused kernels and score as without them."""
+    import hf_radix
+    from hf_radix import engine as engine_module
+
+    model = tiny_model("llama").cuda()
+    gen = torch.Generator().manual_seed(2)
+    prefix = torch.randint(2, 384, (40,), generator=gen).tolist()
+    pairs = [(prefix + torch.randint(2, 384, (5,), generator=gen).tolist(), [7, 8, 9]) for _ in range(6)]
+    swaps = []
+    real = engine_module.fused_norm_and_rope
+
+    def counting(m):
+        swaps.append(m)
+        return real(m)
+
+    monkeypatch.setattr(engine_module, "fused_norm_and_rope", counting)
+    scores = {}
+    for fused in (True, False):
+        hf_radix.configure(model, fused_ops=fused, attn_backend="triton", max_total_tokens=4096)
+        runner = hf_radix.RadixBatchRunner(model, cuda_graph=False)
+        runner.reset_cache()
+        before = len(swaps)
+        scores[fused] = [logprob for logprob, _ in runner.loglikelihood(pairs, progress=False)]
+        runner.check_integrity()
+        assert (len(swaps) > before) == fused
+    with torch.inference_mode():
+        ids = torch.tensor([pairs[0][0] + pairs[0][1]], device="cuda")
+        logp = model(input_ids=ids).logits[0].float().log_softmax(-1)
+    n = len(pairs[0][0])
+    ref = sum(float(logp[n - 1 + i, t]) for i, t in enumerate(pairs[0][1]))
+    assert scores[True] == pytest.approx(scores[False], abs=1e-4)
+    assert scores[True][0] == pytest.approx(ref, abs=1e-4)

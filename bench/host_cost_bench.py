@@ -1,0 +1,251 @@
+"""Host cost of the runner per step, on the CPU: the model's forward replaced by a trivially fast one.
+
+A gsp-shaped workload (8 groups x 32 prompts of a 2,048-token system prompt + 256 own tokens: 256 rows of
+2,304-token contexts, 64 new tokens each, greedy, EOS ignored) runs through the real scheduler, cache
+manager, page table, metadata builder, padded decode-graph path and sampler; only `engine.run_model`
+returns canned logits. What is left is the host work of each step (what `bench/gsp.py` reports as
+`decode_step_host_ms` on a GPU) plus the metadata ops that would be device kernels there but execute
+synchronously on the CPU here. The timed runs leave the slot lists of whole contexts uninitialized (a few
+microseconds of kernels on a GPU, tens of milliseconds on the CPU, unread by the canned forward); another
+run counts the aten ops of a step (each a kernel launch on a GPU; the GPU estimate adds `LAUNCH_US` per
+op to the host time); a profiled run (cProfile) gives the top host functions and the Python
+calls per step (a count that, unlike the times, does not depend on the machine's load). A 5-shot scoring
+workload (512 questions x 4 choices behind one 1,500-token prefix) is measured the same way, per run.
+Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_radix import RadixBatchRunner, SamplingParams, forward_batch  # noqa: E402
+from hf_radix.cuda_graph import DecodeGraphs  # noqa: E402
+from hf_radix.tiny import tiny_model  # noqa: E402
+
+VOCAB = 1024
+LAUNCH_US = 5.0  # host time of one CUDA kernel launch, for the GPU estimate
+
+
+def _fake_forward(engine) -> None:
+    """`engine.run_model` returns canned logits of the right shape (one row per logits index)."""
+    bank = torch.randn(16384, VOCAB, generator=torch.Generator().manual_seed(0))
+
+    def run_model(batch):
+        return bank[: len(batch.logits_indices)]
+
+    engine.run_model = run_model
+
+
+def _runner(args) -> RadixBatchRunner:
+    model = tiny_model("llama", vocab_size=VOCAB, max_position_embeddings=4096, eos_token_id=None)
+    model.generation_config.eos_token_id = None
+    runner = RadixBatchRunner(
+        model, page_size=args.page_size, max_total_tokens=args.pool_tokens, attn_backend="torch",
+        max_running_requests=256, chunked_prefill_size=8192, overlap=not args.no_overlap, warm_up=False,
+    )
+    _fake_forward(runner.engine)
+    # the GPU's decode path: rows padded to a captured bucket (run eagerly off CUDA)
+    runner.model_runner.decode_graphs = DecodeGraphs(runner.engine, 256)
+    return runner
+
+
+def _prompts(groups: int, per_group: int, system: int, own: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(groups):
+        shared = torch.randint(2, VOCAB, (system,), generator=gen).tolist()
+        out += [shared + torch.randint(2, VOCAB, (own,), generator=gen).tolist() for _ in range(per_group)]
+    return out
+
+
+class _OpTimer(TorchDispatchMode):
+    """Counts the aten ops run inside it and the seconds they took (on a GPU: kernel launches)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        started = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - started
+        self.ops += 1
+        return out
+
+
+def _top(profile: cProfile.Profile, count: int = 20) -> str:
+    buffer = io.StringIO()
+    pstats.Stats(profile, stream=buffer).sort_stats("tottime").print_stats(count)
+    return buffer.getvalue()
+
+
+def _timed_steps(runner, prompts, params, is_decode, hook) -> tuple[list[float], float]:
+    """Runs `prompts`; `hook()` (a context manager) wraps each launch that `is_decode(items)`."""
+    scheduler = runner.scheduler
+    real_launch = scheduler._launch
+    times = []
+
+    def launch(items, started):
+        if not is_decode(items):
+            return real_launch(items, started)
+        with hook():
+            launched = real_launch(items, started)
+        times.append(time.perf_counter() - started)
+        return launched
+
+    scheduler._launch = launch
+    runner.reset_cache()
+    started = time.perf_counter()
+    try:
+        runner.run(prompts, params, progress=False)
+    finally:
+        del scheduler._launch
+    wall = time.perf_counter() - started
+    runner.check_integrity()
+    return times, wall
+
+
+@contextlib.contextmanager
+def _stub_slot_lists():
+    """The slot lists of whole contexts (O(rows x context) device work, unread by the canned forward) are
+    left uninitialized: on a GPU they are a few microseconds of kernels, on the CPU they would hide the
+    host work."""
+    real = forward_batch.gather_contexts
+
+    def gather(slots, rows, lengths, indptr, total):
+        return torch.empty(total, dtype=torch.int64)
+
+    forward_batch.gather_contexts = gather
+    try:
+        yield
+    finally:
+        forward_batch.gather_contexts = real
+
+
+def measure_decode(args) -> dict:
+    """Per decode step at 256 rows: host time (slot lists stubbed), aten ops (not stubbed), a cProfile."""
+    runner = _runner(args)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    runner.run(_prompts(8, 32, 2048, 256, seed=1), params, progress=False)  # first run: tables grow
+    prompts = _prompts(8, 32, 2048, 256, seed=2)
+    scheduler = runner.scheduler
+
+    def is_decode(items):
+        return bool(items) and len(items) == len(scheduler.running)
+
+    counter = _OpTimer()
+    _timed_steps(runner, prompts, params, is_decode, lambda: counter)
+    with _stub_slot_lists():
+        wall_steps, wall = _timed_steps(runner, prompts, params, is_decode, contextlib.nullcontext)
+        profile = cProfile.Profile()
+        _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
+    steps = len(wall_steps)
+    host_ms = 1e3 * statistics.median(wall_steps)
+    ops = counter.ops / steps
+    return {
+        "rows": len(prompts),
+        "context_tokens": 2304,
+        "decode_steps": steps,
+        "decode_step_host_ms_cpu": host_ms,
+        "decode_step_aten_ops": ops,
+        "decode_step_host_ms_gpu_estimate": host_ms + ops * LAUNCH_US / 1e3,
+        "decode_step_python_calls": pstats.Stats(profile).total_calls / steps,
+        "run_wall_s": wall,
+        "profile_top": _top(profile),
+    }
+
+
+@contextlib.contextmanager
+def _profiling(profile: cProfile.Profile):
+    profile.enable()
+    try:
+        yield
+    finally:
+        profile.disable()
+
+
+def measure_scoring(args) -> dict:
+    """512 questions x 4 choices behind one 1,500-token prefix: host cost of the whole scoring run."""
+    runner = _runner(args)
+    gen = torch.Generator().manual_seed(3)
+    prefix = torch.randint(2, VOCAB, (1500,), generator=gen).tolist()
+    pairs = []
+    for _ in range(args.questions):
+        question = prefix + torch.randint(2, VOCAB, (40,), generator=gen).tolist()
+        pairs += [(question, torch.randint(2, VOCAB, (3,), generator=gen).tolist()) for _ in range(4)]
+    runner.loglikelihood(pairs, progress=False)  # first run
+
+    def run(hook) -> float:
+        runner.reset_cache()
+        started = time.perf_counter()
+        with hook():
+            runner.loglikelihood(pairs, progress=False)
+        runner.check_integrity()
+        return time.perf_counter() - started
+
+    forwards_before = runner.stats.forward_calls
+    wall = run(contextlib.nullcontext)
+    forwards = runner.stats.forward_calls - forwards_before
+    timer = _OpTimer()
+    run(lambda: timer)
+    profile = cProfile.Profile()
+    run(lambda: _profiling(profile))
+    return {
+        "pairs": len(pairs),
+        "forwards": forwards,
+        "host_s_cpu": wall,
+        "aten_ops": timer.ops,
+        "aten_s_cpu": timer.seconds,
+        "python_s": wall - timer.seconds,
+        "host_s_gpu_estimate": wall - timer.seconds + timer.ops * LAUNCH_US / 1e6,
+        "python_calls": pstats.Stats(profile).total_calls,
+        "profile_top": _top(profile),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--page-size", type=int, default=1)
+    parser.add_argument("--pool-tokens", type=int, default=110_000)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--questions", type=int, default=512)
+    parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--skip-scoring", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    results = {
+        "command": "python " + " ".join(sys.argv),
+        "torch": torch.__version__,
+        "page_size": args.page_size,
+        "overlap": not args.no_overlap,
+        "launch_us_assumed": LAUNCH_US,
+        "decode": measure_decode(args),
+    }
+    if not args.skip_scoring:
+        results["scoring"] = measure_scoring(args)
+    for name in ("decode", "scoring"):
+        if name in results:
+            print(f"== {name}\n{results[name]['profile_top']}")
+            print(json.dumps({k: v for k, v in results[name].items() if k != "profile_top"}, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""The page table's batched device writes: pending until the step's staged upload, one copy per upload."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from conftest import fresh_model, hf_greedy, random_ids
+
+from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix.page_table import PADDING_ROW, PageTable
+from hf_radix.request import Req
+from hf_radix.staging import HostStaging
+
+NEW = 6
+
+
+def test_writes_reach_the_device_at_the_next_upload_with_their_last_value():
+    table = PageTable(width=12, scratch_slot=99)
+    row = table.open()
+    table.write_row(row, 0, np.array([5, 6, 7]))
+    assert table.slots[row, :3].tolist() == [0, 0, 0]  # pending: the device follows at the next upload
+    table.write_row(row, 1, np.array([8]))  # the same position twice before an upload: the last value wins
+    extra, = table.upload([np.array([1, 2, 3])])
+    assert extra.tolist() == [1, 2, 3]
+    assert table.slots[row, :3].tolist() == [5, 8, 7]
+    assert table.check({row: 3}) is None
+    table.write_row(row, 3, np.array([9]))
+    assert table.check({row: 4}) is None  # the check flushes first
+
+
+def test_reserve_keeps_rows_and_pending_writes():
+    table = PageTable(width=4, scratch_slot=50)
+    rows = [table.open() for _ in range(3)]
+    for i, row in enumerate(rows):
+        table.write_row(row, 0, np.array([i, i + 10]))
+    table.reserve(40)
+    assert table.capacity >= 41
+    more = [table.open() for _ in range(30)]
+    assert len(set(rows + more)) == 33 and PADDING_ROW not in rows + more
+    assert sorted(rows) == rows and more[0] == rows[-1] + 1  # lowest free rows first
+    table.flush()
+    assert table.check({row: 2 for row in rows}) is None
+    assert table.slots[PADDING_ROW].tolist() == [50] * 4
+
+
+def test_staging_packs_parts_into_one_upload():
+    staging = HostStaging("cpu")
+    a, b, c = staging.upload([np.arange(3), np.zeros(0, dtype=np.int64), np.array([7], dtype=np.int32)])
+    assert a.tolist() == [0, 1, 2] and b.numel() == 0 and c.tolist() == [7]
+    assert a.dtype == c.dtype == torch.int64
+    assert staging.uploads == 1
+
+
+def test_request_ids_follow_its_tokens():
+    req = Req(0, [4, 5, 6], SamplingParams(max_new_tokens=3))
+    assert req.match_ids.tolist() == [4, 5, 6]
+    for token in (7, 8, 9):
+        req.append(token)
+    assert req.ids.tolist() == req.token_ids == [4, 5, 6, 7, 8, 9]
+    assert req.num_generated == 3 and req.generated == [7, 8, 9]
+    scoring = Req(1, [1, 2, 3, 4], SamplingParams(max_new_tokens=0), score_from=1)
+    assert scoring.match_ids.tolist() == [1, 2] and scoring.ids.tolist() == [1, 2, 3, 4]
+    assert req != Req(0, [4, 5, 6], SamplingParams(max_new_tokens=3))  # identity, not field equality
+
+
+@functools.cache
+def _model():
+    return fresh_model("llama")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_batched_writes_under_eviction_keep_the_table_exact(page_size: int, monkeypatch):
+    """A pool too small for every prompt: steps evict, re-point duplicates and grow rows; the device table
+    equals the host's after every step, each step sends at most three staged copies, tokens equal HF's."""
+    runner = RadixBatchRunner(
+        _model(), attn_backend="torch", page_size=page_size, max_total_tokens=160, max_running_requests=3,
+        chunked_prefill_size=16,
+    )
+    runner.reset_cache()
+    scheduler, table = runner.scheduler, runner.engine.manager.table
+    uploads = []
+    real_complete, real_launch = scheduler._complete, scheduler._launch
+
+    def launch(items, started):
+        before = table.staging.uploads
+        launched = real_launch(items, started)
+        uploads.append(table.staging.uploads - before)
+        return launched
+
+    def complete(launched):
+        real_complete(launched)
+        runner.check_integrity()
+
+    monkeypatch.setattr(scheduler, "_launch", launch)
+    monkeypatch.setattr(scheduler, "_complete", complete)
+    gen = torch.Generator().manual_seed(5)
+    shared = random_ids(gen, 18)
+    prompts = [(shared if i % 2 else []) + random_ids(gen, 5 + 3 * i) for i in range(8)]
+    evicted = runner.engine.manager.evicted_tokens
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
+    runner.check_integrity()
+    assert runner.engine.manager.evicted_tokens > evicted
+    assert uploads and max(uploads) <= 3
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(_model(), prompt, NEW)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
+    """With the stream held up by a long kernel, more uploads than the ring has buffers each keep their
+    own values: a buffer is refilled only after its last copy completed."""
+    from hf_radix.staging import RING
+
+    staging = HostStaging("cuda")
+    torch.cuda._sleep(200_000_000)  # the copies below queue behind this
+    outs = [staging.upload([np.full(1000 + i, i, dtype=np.int64)])[0] for i in range(3 * RING)]
+    torch.cuda.synchronize()
+    for i, out in enumerate(outs):
+        assert out.shape == (1000 + i,) and bool((out == i).all())
