@@ -266,6 +266,8 @@ def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
         engine = RadixEngine(model, EngineOptions(**options))
         setattr(model, _ENGINE_ATTR, engine)
         return engine
+    if not options:  # every radix call looks its engine up: no option to compare
+        return engine
     requested = EngineOptions(**{**asdict(engine.options), **options})
     if requested == engine.options:
         return engine

@@ -61,14 +61,22 @@ def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
 
 
 def _effective_config(model, kwargs: dict):
-    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords.
+    """The GenerationConfig this call runs with: keywords over the config object over the model's defaults
+    over transformers' global defaults (generate's own precedence).
 
-    Generate's own `_prepare_generation_config` with the model's defaults as the explicit base: that skips
-    its legacy scan of `model.config` for generation parameters (a millisecond, before the first step can
-    start); generate itself still makes it and raises.
+    Without a config object (the common case) a shallow copy of the model's defaults, its unset fields
+    filled from the global defaults: generate's `_prepare_generation_config` deep-copies and re-serializes
+    the configs (most of a millisecond, before the first step can start); generate itself still runs it,
+    with its legacy checks. A config object goes through that function, with the model's defaults as base.
     """
     base = kwargs.get("generation_config")
-    config, _ = model._prepare_generation_config(model.generation_config if base is None else base)
+    if base is None:
+        config = copy.copy(model.generation_config)
+        for name, value in config._get_default_generation_params().items():
+            if getattr(config, name, None) is None:
+                setattr(config, name, value)
+    else:
+        config, _ = model._prepare_generation_config(base)
     config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
     return config
 

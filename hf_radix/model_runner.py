@@ -74,13 +74,11 @@ class ModelRunner:
         """Whether `step` would replay a captured graph."""
         return self._graphs_for(step) is not None
 
-    def forward(
-        self, step: StepRows, eager: EagerForward | None = None, *, copy: bool = False
-    ) -> torch.Tensor:
+    def forward(self, step: StepRows, eager: EagerForward | None = None) -> torch.Tensor:
         """Logits of the positions `step` asks for, rows concatenated.
 
-        A graph's logits are its output buffer, valid until the next forward, unless `copy`. `eager` runs
-        the batch when no graph fits (default: the engine's counted forward).
+        A graph's logits are its output buffer, valid until the next forward. `eager` runs the batch when
+        no graph fits (default: the engine's counted forward).
         """
         graphs = self._graphs_for(step)
         if graphs is not None:
@@ -95,7 +93,7 @@ class ModelRunner:
         rows = step.logits_rows()
         if rows is not None:
             return logits[to_device(rows, logits.device)]
-        return logits.clone() if copy and graphs.capture else logits
+        return logits
 
     def _give_up_graphs(self, error: GraphCaptureError) -> None:
         """Every later step of this engine runs eagerly: its model's forward cannot be captured."""
