@@ -2,6 +2,11 @@
 
 The hook passes every other call through unchanged; a radix call checks what it cannot do, builds the
 call's `RadixGenerateCache`, routes the model's forward through it and always cleans up.
+
+The first radix call on an engine (on CUDA, with graphs) warms its model-runner core up first: every
+decode and extend graph shape is captured and the eager Triton kernels compiled then, once, so that no
+later call of any batch size pays a capture or a compile inline (`engine.model_runner.warm_up_times`
+says what it cost; `hf_radix.configure(model, warm_up=False)` captures each shape on first use instead).
 """
 
 from __future__ import annotations
@@ -187,6 +192,8 @@ def _radix_generate(original, model, kwargs: dict):
         result = None
         token = _taken_over.set(_TAKEN_OVER)
         try:
+            if engine.options.warm_up:
+                engine.model_runner.ensure_warm()  # once per engine: graphs and kernels before any step
             restore_forward = _route_forward(model, cache)
             try:
                 with engine.radix_attention():

@@ -69,7 +69,7 @@ class RadixGenerateCache(RadixCache):
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
         self._max_new = 0  # tokens the call may still add to each row after its prompt (set by _open_rows)
-        self.model_runner: ModelRunner = engine.model_runner  # picks graph or eager for each step
+        self.model_runner: ModelRunner | None = engine.model_runner  # graph or eager per step; None: finished
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
@@ -403,6 +403,7 @@ class RadixGenerateCache(RadixCache):
         if self.finished:
             return
         self.finished = True
+        self.model_runner = None  # a returned cache must not keep the engine's graphs alive
         if self._ahead is not None:  # generate failed before its first step: its slots are freed below
             _wait_for(self._ahead[2])
         last = None
