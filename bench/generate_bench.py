@@ -4,9 +4,13 @@ Workload (H200): Llama-3.1-8B shape with random bf16 weights; every prompt is th
 prefix + its own 64-token question; questions run one after another, radix and default alternating, in one
 process. Measured per question, median over the questions (warm-up and a priming call come first):
 
-  (a) time to first token: a whole `generate(max_new_tokens=1)` call           goal: radix >= 10x faster
-  (b) a whole call with 4 new tokens                                           goal: radix >= 2x faster
+  (a) time to first token: a whole `generate(max_new_tokens=1)` call           goal: radix >= 12x faster
+  (b) a whole call with 4 new tokens                                           goal: radix >= 6.5x faster
   (c) one decode step at a 4K context: (t(max_new_tokens=65) - t(1)) / 64      goal: radix within 10%
+
+`first_call_s` is the first call of each kind in the process (on another prefix): for radix it includes
+the engine's warm-up (every graph captured, eager kernels compiled; `warm_up_s` splits it), which the
+first radix generate on a model runs once. `cold_ttft_s` is the priming call that computes the prefix.
 
     python bench/generate_bench.py --json bench/results/generate_h200.json
     python bench/generate_bench.py --tiny            # CPU self-check: tiny model, seconds
@@ -32,7 +36,7 @@ from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
 
-GOALS = {"ttft_speedup": 10.0, "call4_speedup": 2.0, "decode_ratio_max": 1.10}
+GOALS = {"ttft_speedup": 12.0, "call4_speedup": 6.5, "decode_ratio_max": 1.10}
 
 
 def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, float]:
@@ -94,10 +98,13 @@ def run(args: argparse.Namespace) -> dict:
         return out[0, len(ids):]
 
     # warm-up: kernels, allocator, Triton compilation; on another prefix so nothing measured is cached by it
+    first = {}
     for radix in (False, True):
-        for q in warm_other:
+        for i, q in enumerate(warm_other):
             for new in (1, 4, 3):
-                call(other_prefix + q, new, radix)
+                elapsed, _ = timed(device, lambda q=q, new=new, r=radix: call(other_prefix + q, new, r))
+                if i == 0 and new == 1:
+                    first[radix] = elapsed
     # priming: the first call with the shared prefix computes it (the radix cold start)
     cold = {radix: timed(device, lambda r=radix: call(prefix + prime, 1, r))[0] for radix in (False, True)}
     if args.profile:
@@ -146,6 +153,9 @@ def run(args: argparse.Namespace) -> dict:
             "transformers": transformers.__version__,
             "python": platform.python_version(),
         },
+        "first_call_s": {"default": first[False], "radix": first[True]},
+        "warm_up_s": core.warm_up_times,
+        "graph_reserve_gib": engine.graph_reserve / 2**30,
         "cold_ttft_s": {"default": cold[False], "radix": cold[True]},
         "median_s": med,
         "decode_step_s": decode,
@@ -192,6 +202,8 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
                 sync(device)
             print(f"\n===== {name}, max_new_tokens={new}: kernels and ops by GPU time =====")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+            print(f"\n===== {name}, max_new_tokens={new}: ops by host time (launch costs, syncs) =====")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
             if trace_dir is not None:
                 trace_dir.mkdir(parents=True, exist_ok=True)
                 prof.export_chrome_trace(str(trace_dir / f"{name}_new{new}.json"))
@@ -205,16 +217,18 @@ def print_table(result: dict) -> None:
           f"{cfg['question_tokens']}, {cfg['questions_per_part']} questions, median")
     rows = [
         ("time to first token", med["default"]["ttft"], med["radix"]["ttft"], ratios["ttft_speedup"],
-         f">= {goals['ttft_speedup']:.0f}x faster"),
+         f">= {goals['ttft_speedup']:g}x faster"),
         ("call, 4 new tokens", med["default"]["call4"], med["radix"]["call4"], ratios["call4_speedup"],
-         f">= {goals['call4_speedup']:.0f}x faster"),
+         f">= {goals['call4_speedup']:g}x faster"),
         ("decode step at 4K", decode["default"], decode["radix"], 1 / ratios["decode_ratio"],
          f"radix/default <= {goals['decode_ratio_max']:.2f}"),
     ]
     print(f"{'':22s}{'default ms':>12s}{'radix ms':>12s}{'speedup':>10s}   goal")
     for name, d, r, s, goal in rows:
         print(f"{name:22s}{d * 1e3:12.2f}{r * 1e3:12.2f}{s:9.2f}x   {goal}")
-    cold = result["cold_ttft_s"]
+    cold, first = result["cold_ttft_s"], result["first_call_s"]
+    print(f"first call in the process: default {first['default'] * 1e3:.1f} ms, radix "
+          f"{first['radix'] * 1e3:.1f} ms (engine warm-up {result['warm_up_s']})")
     print(f"cold first call (prefix computed): default {cold['default'] * 1e3:.1f} ms, "
           f"radix {cold['radix'] * 1e3:.1f} ms; goals met: {result['goals_met']}")
 

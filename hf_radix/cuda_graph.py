@@ -56,6 +56,27 @@ def _bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
+def static_buffer_numels(max_rows: int, max_tokens: int, kv_bound: int) -> dict[str, tuple[int, torch.dtype]]:
+    """Element count and dtype of each static metadata buffer of a set of graphs (padding row included)."""
+    tokens, rows = max_tokens, max_rows + 1
+    return {
+        "input_ids": (tokens, torch.int64),
+        "positions": (tokens, torch.int64),
+        "out_loc": (tokens, torch.int64),
+        "logits_indices": (rows, torch.int64),
+        "kv": (rows * kv_bound, torch.int64),
+        "qo_indptr": (rows + 1, torch.int32),
+        "lens": (rows, torch.int32),
+        "kv_indptr": (rows + 1, torch.int32),
+    }
+
+
+def static_buffer_bytes(max_rows: int, max_tokens: int, kv_bound: int) -> int:
+    """Bytes of the static metadata buffers `static_buffer_numels` describes."""
+    layout = static_buffer_numels(max_rows, max_tokens, kv_bound).values()
+    return sum(n * torch.empty((), dtype=dtype).element_size() for n, dtype in layout)
+
+
 class _CapturedForwards(abc.ABC):
     """Shared machinery: static buffers, capture per padded shape, replay with fresh metadata."""
 
@@ -70,29 +91,37 @@ class _CapturedForwards(abc.ABC):
         # a row's context in a graph: up to the model's context (generate may go past it: eagerly)
         self.kv_bound = min(self.table.width, engine.max_context)
         self.capture = engine.device.type == "cuda"
+        self.released = False
         self.replays = 0
         self.capture_time = 0.0
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if self.capture:
-            device = engine.device
-            tokens, rows = max_tokens, max_rows + 1  # + the padding row of extend batches
+            layout = static_buffer_numels(max_rows, max_tokens, self.kv_bound)  # + extend's padding row
+            scratch = self.table.scratch_slot
             with torch.inference_mode(False):  # written later by calls in any grad mode
-                scratch = self.table.scratch_slot
                 self._static = {
-                    "input_ids": torch.zeros(tokens, dtype=torch.int64, device=device),
-                    "positions": torch.zeros(tokens, dtype=torch.int64, device=device),
-                    "out_loc": torch.full((tokens,), scratch, dtype=torch.int64, device=device),
-                    "logits_indices": torch.zeros(rows, dtype=torch.int64, device=device),
-                    "kv": torch.full((rows * self.kv_bound,), scratch, dtype=torch.int64, device=device),
-                    "qo_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
-                    "lens": torch.zeros(rows, dtype=torch.int32, device=device),
-                    "kv_indptr": torch.zeros(rows + 1, dtype=torch.int32, device=device),
+                    name: torch.full((n,), scratch if name in ("out_loc", "kv") else 0, dtype=dtype,
+                                     device=engine.device)
+                    for name, (n, dtype) in layout.items()
                 }
             self._pool = torch.cuda.graph_pool_handle()
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
+
+    def release(self) -> None:
+        """Drops every captured graph, their memory pool and the static buffers (the engine's pool is going
+        away: the graphs hold its addresses); running or capturing afterwards raises."""
+        self.released = True
+        self._graphs = {}
+        self._static = self._pool = None
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError(
+                "these CUDA graphs were released with their engine's KV pool; use the model's current engine"
+            )
 
     # -- the static batch of one shape -------------------------------------------------------------------
     def _static_batch(self, rows: int, tokens: int, logits: int) -> ForwardBatch:
@@ -136,6 +165,7 @@ class _CapturedForwards(abc.ABC):
 
         On CUDA the result is the graph's output buffer: valid until the next replay.
         """
+        self._check_live()
         self.replays += 1
         # a graph's kernels read one slot list; eager runs (off CUDA) may use any backend
         lists = ("context" if self.decode else "prefix") if self.capture else "both"
@@ -151,6 +181,7 @@ class _CapturedForwards(abc.ABC):
 
     def capture_shape(self, key: tuple[int, int]) -> None:
         """Captures the graph of a padded shape now (a warm-up), unless it already is."""
+        self._check_live()
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture(key)
 

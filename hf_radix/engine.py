@@ -19,7 +19,7 @@ from .forward_context import attention_configs, radix_attention, radix_forward
 from .fused_ops import fused_norm_and_rope
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, graph_memory_bytes
 from .placement import (
     PlacedKVPool,
     hidden_output_device,
@@ -38,7 +38,12 @@ _ENGINE_ATTR = "_hf_radix_engine"
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """Pool and backend options; fixed for the life of an engine."""
+    """Pool and backend options; fixed for the life of an engine.
+
+    A pool sized from free GPU memory (no `max_total_tokens`) takes `mem_fraction` of what is free after an
+    estimate of what the engine's CUDA graphs will take (`model_runner.graph_memory_bytes`), since they are
+    captured after the pool exists.
+    """
 
     page_size: int = 1
     max_total_tokens: int | None = None
@@ -48,6 +53,7 @@ class EngineOptions:
     cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
     cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
     fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels (CUDA)
+    warm_up: bool = True  # the first radix generate captures every graph and compiles kernels (else lazily)
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
@@ -77,9 +83,11 @@ class RadixEngine:
         self.tp_group = tp_group(model)
         # One extra page past the managed ones: padded rows of captured graphs write there.
         shape = local_kv_shape(model, support.kv_shape)
+        self.backend = make_backend(self.options.attn_backend, device)
+        self.graph_reserve = self._graph_reserve(shape, dtype, device)
         self.pool, num_pages = make_kv_pool(
             model, shape, dtype, device, page_size, self.options.max_total_tokens,
-            self.options.mem_fraction, self.options.store_backend, self.tp_group,
+            self.options.mem_fraction, self.options.store_backend, self.tp_group, self.graph_reserve,
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
@@ -90,8 +98,7 @@ class RadixEngine:
         self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
         if self.host_tier is not None:
             self.host_tier.attach(self.manager)
-        _announce_pool(self.pool, self.pool_tokens, self.options)
-        self.backend = make_backend(self.options.attn_backend, device)
+        _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
         self.stats = RadixStats()
         self._model_runner: ModelRunner | None = None
         params = inspect.signature(model.forward).parameters
@@ -101,6 +108,28 @@ class RadixEngine:
         # Radix calls (runner runs, generate calls) on this engine run one at a time; reentrant, so that a
         # call made inside another one in the same thread (a runner inside a logits processor) can proceed.
         self.lock = threading.RLock()
+
+    def _graph_reserve(self, shape, dtype: torch.dtype, device: torch.device) -> int:
+        """Bytes a pool sized from free GPU memory leaves for the CUDA graphs this engine will capture.
+
+        Graphs are captured after the pool exists (they hold its addresses), so their static buffers and
+        memory pool are estimated (`graph_memory_bytes`) and kept out. Zero where the pool is sized by
+        hand or no graphs will be captured (off CUDA, not Triton, MLA latents, several devices).
+        """
+        options = self.options
+        if (
+            options.max_total_tokens is not None
+            or not options.cuda_graph
+            or device.type != "cuda"
+            or self.backend.name != "triton"
+            or shape.latent
+            or self.tp_group is not None
+            or is_dispatched(self.model)
+        ):
+            return 0
+        free, _ = torch.cuda.mem_get_info(device)
+        kv_bound = min(self.max_context, free // shape.bytes_per_token(dtype))  # a row's longest context
+        return graph_memory_bytes(self.model, dtype, options.cuda_graph_max_batch, kv_bound)
 
     @property
     def device(self) -> torch.device:
@@ -216,11 +245,18 @@ class RadixEngine:
     def set_backends(self, options: EngineOptions) -> None:
         """Switches the attention and store backends and graph options; the pool and its cached prefixes stay.
 
-        The model-runner core is rebuilt on next use (its graphs were captured with the old backends).
+        The model-runner core is rebuilt on next use (its graphs were captured with the old backends: they
+        are released now).
         """
         self.backend = make_backend(options.attn_backend, self.device)
         self.pool.store_backend = options.store_backend
         self.options = options
+        self._release_model_runner()
+
+    def _release_model_runner(self) -> None:
+        """Frees the core's graphs (memory pool, static buffers); a holder of the core cannot replay them."""
+        if self._model_runner is not None:
+            self._model_runner.release()
         self._model_runner = None
 
     def close(self) -> None:
@@ -228,17 +264,22 @@ class RadixEngine:
         device = self.device
         if self.host_tier is not None:  # the tier holds the pool
             self.host_tier.detach()
-        self.pool = self.host_tier = self._model_runner = None  # the runner core holds graph memory
+        self._release_model_runner()  # its graphs hold the pool's addresses and their own memory
+        self.pool = self.host_tier = None
         if device.type == "cuda":  # hand cached blocks back: a pool sized by mem_fraction sees them free
             torch.cuda.empty_cache()
 
 
-def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions) -> None:
+def _announce_pool(
+    pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions, reserve: int = 0
+) -> None:
     """Says how much memory the pool took and how to size it: a WARNING, once, unless sized by hand on CPU."""
     if options.max_total_tokens is not None:
         sized_by = f"max_total_tokens={options.max_total_tokens:,}"
     elif pool.device.type == "cuda":
         sized_by = f"mem_fraction={options.mem_fraction} of the free GPU memory"
+        if reserve:
+            sized_by += f" after {reserve / 2**30:.2f} GiB kept for CUDA graphs"
     else:
         sized_by = "the default size off GPU"
     devices = " + ".join(str(d) for d in pool_devices(pool))  # a device map: every device with layers
@@ -256,7 +297,9 @@ def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOpti
 
 # Options read only by the forward path: a new value replaces the engine's backends (and its model-runner
 # core) and keeps its cache.
-_BACKEND_OPTIONS = ("attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops")
+_BACKEND_OPTIONS = (
+    "attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops", "warm_up",
+)
 
 
 def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:
@@ -278,6 +321,8 @@ def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
     if engine is None:
         engine = RadixEngine(model, EngineOptions(**options))
         setattr(model, _ENGINE_ATTR, engine)
+        return engine
+    if not options:  # every radix call looks its engine up: no option to compare
         return engine
     requested = EngineOptions(**{**asdict(engine.options), **options})
     if requested == engine.options:

@@ -2,6 +2,11 @@
 
 The hook passes every other call through unchanged; a radix call checks what it cannot do, builds the
 call's `RadixGenerateCache`, routes the model's forward through it and always cleans up.
+
+The first radix call on an engine (on CUDA, with graphs) warms its model-runner core up first: every
+decode and extend graph shape is captured and the eager Triton kernels compiled then, once, so that no
+later call of any batch size pays a capture or a compile inline (`engine.model_runner.warm_up_times`
+says what it cost; `hf_radix.configure(model, warm_up=False)` captures each shape on first use instead).
 """
 
 from __future__ import annotations
@@ -61,14 +66,22 @@ def _as_keywords(original, args: tuple, kwargs: dict) -> dict:
 
 
 def _effective_config(model, kwargs: dict):
-    """The GenerationConfig this call runs with: model defaults, then the config object, then keywords.
+    """The GenerationConfig this call runs with: keywords over the config object over the model's defaults
+    over transformers' global defaults (generate's own precedence).
 
-    Generate's own `_prepare_generation_config` with the model's defaults as the explicit base: that skips
-    its legacy scan of `model.config` for generation parameters (a millisecond, before the first step can
-    start); generate itself still makes it and raises.
+    Without a config object (the common case) a shallow copy of the model's defaults, its unset fields
+    filled from the global defaults: generate's `_prepare_generation_config` deep-copies and re-serializes
+    the configs (most of a millisecond, before the first step can start); generate itself still runs it,
+    with its legacy checks. A config object goes through that function, with the model's defaults as base.
     """
     base = kwargs.get("generation_config")
-    config, _ = model._prepare_generation_config(model.generation_config if base is None else base)
+    if base is None:
+        config = copy.copy(model.generation_config)
+        for name, value in config._get_default_generation_params().items():
+            if getattr(config, name, None) is None:
+                setattr(config, name, value)
+    else:
+        config, _ = model._prepare_generation_config(base)
     config.update(**{key: value for key, value in kwargs.items() if key != "generation_config"})
     return config
 
@@ -179,6 +192,8 @@ def _radix_generate(original, model, kwargs: dict):
         result = None
         token = _taken_over.set(_TAKEN_OVER)
         try:
+            if engine.options.warm_up:
+                engine.model_runner.ensure_warm()  # once per engine: graphs and kernels before any step
             restore_forward = _route_forward(model, cache)
             try:
                 with engine.radix_attention():

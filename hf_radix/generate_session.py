@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 
 OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds`: never matched, never cached
+ALLOCATE_AHEAD = 16  # tokens of room a row gets past what a step needs: one page-table write per 16 steps
 
 
 class RadixGenerateCache(RadixCache):
@@ -67,7 +68,8 @@ class RadixGenerateCache(RadixCache):
         self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
-        self.model_runner: ModelRunner = engine.model_runner  # picks graph or eager for each step
+        self._max_new = 0  # tokens the call may still add to each row after its prompt (set by _open_rows)
+        self.model_runner: ModelRunner | None = engine.model_runner  # graph or eager per step; None: finished
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
 
@@ -102,7 +104,9 @@ class RadixGenerateCache(RadixCache):
             step = self._step()
             self._allocate(step)
             eager = functools.partial(self._eager, embeds=None, inner=inner, kwargs=kwargs)
-            logits = self.model_runner.forward(step, eager, copy=True)
+            # A graph's output buffer is returned as is: generate copies the logits it reads before the
+            # next forward (`outputs.logits[:, -1].to(copy=True, ...)`), so no replay can overwrite them.
+            logits = self.model_runner.forward(step, eager)
         output = CausalLMOutputWithPast(logits=logits, **{self.engine.cache_kwarg: self})
         if self._logits_rows is not None:
             logits = logits[self._logits_rows]
@@ -181,9 +185,7 @@ class RadixGenerateCache(RadixCache):
         if self.model_runner.graph_fits(step):
             with torch.cuda.stream(stream):
                 self._allocate(step)
-                logits = self.model_runner.forward(step, copy=True)
-        if logits is not None and stream is not None:
-            logits.record_stream(torch.cuda.current_stream())  # allocated on `stream`, read on this one
+                logits = self.model_runner.forward(step)  # the graph's output buffer, read after `stream`
         self._ahead = (ids, logits, stream)
 
     def _check_same_prompt(self, input_ids: torch.Tensor | None) -> None:
@@ -204,7 +206,15 @@ class RadixGenerateCache(RadixCache):
         )
 
     def _allocate(self, step: StepRows) -> None:
-        self.engine.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
+        """Slots for every position `step` computes; a row that needs more gets room for up to
+        `ALLOCATE_AHEAD` more tokens (never past what the call can still add), so that most decode steps
+        write nothing to the page table. `finish` frees what no token used."""
+        manager = self.engine.manager
+        rows, ends = step.rows.tolist(), (step.prefix_lens + step.new_lens).tolist()
+        if all(manager.row_len(row) >= end for row, end in zip(rows, ends)):
+            return
+        ahead = min(ALLOCATE_AHEAD, max(self._max_new - 1 - self.steps, 0))  # the last token: no forward
+        manager.allocate(rows, [end + ahead for end in ends])
 
     def _eager(
         self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict
@@ -284,6 +294,7 @@ class RadixGenerateCache(RadixCache):
             max_new = self.max_new_tokens
         else:
             max_new = (self.max_length or padded_len) - padded_len
+        self._max_new = max(max_new, 0)
         need = 0
         for b, row in enumerate(self.rows):
             n = self.prompt_lens[b]
@@ -392,6 +403,7 @@ class RadixGenerateCache(RadixCache):
         if self.finished:
             return
         self.finished = True
+        self.model_runner = None  # a returned cache must not keep the engine's graphs alive
         if self._ahead is not None:  # generate failed before its first step: its slots are freed below
             _wait_for(self._ahead[2])
         last = None

@@ -54,8 +54,10 @@ def pool_size_tokens(
     page_size: int,
     max_total_tokens: int | None,
     mem_fraction: float,
+    reserve_bytes: int = 0,
 ) -> int:
-    """Pool capacity in tokens: `max_total_tokens`, else `mem_fraction` of free GPU memory, else a default."""
+    """Pool capacity in tokens: `max_total_tokens`, else `mem_fraction` of the free GPU memory left after
+    `reserve_bytes` (what the engine's CUDA graphs will take), else a default."""
     if max_total_tokens is not None:
         if max_total_tokens < page_size:
             raise ValueError(f"max_total_tokens={max_total_tokens} is smaller than one page ({page_size})")
@@ -64,7 +66,7 @@ def pool_size_tokens(
         raise ValueError(f"mem_fraction must be in (0, 1], got {mem_fraction}")
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * mem_fraction) // shape.bytes_per_token(dtype)
+        return int(max(free - reserve_bytes, 0) * mem_fraction) // shape.bytes_per_token(dtype)
     return CPU_DEFAULT_TOKENS
 
 

@@ -4,6 +4,9 @@ It is the one place that picks how a step runs: a captured decode graph (one new
 captured extend graph (a few new tokens per row after cached prefixes), or an eager forward. Graphs exist
 where `engine.captures_graphs` (CUDA, Triton attention, no MLA latent pool); `warm_up` captures every
 shape and compiles the eager kernels before the first request, so a first run costs what a steady one does.
+The graphs hold the addresses of the engine's pool: `release` frees them when the engine closes its pool
+or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` estimates the memory the
+graphs take, which the engine keeps out of a pool sized from free GPU memory.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .cuda_graph import DecodeGraphs, ExtendGraphs, GraphCaptureError
+from .cuda_graph import (
+    EXTEND_TOKEN_BUCKETS,
+    DecodeGraphs,
+    ExtendGraphs,
+    GraphCaptureError,
+    static_buffer_bytes,
+)
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .page_table import PADDING_ROW, to_device
 
@@ -27,6 +36,9 @@ logger = logging.get_logger(__name__)
 
 EagerForward = Callable[[ForwardBatch], torch.Tensor]
 WARM_UP_TOKENS = (1, 7, 16, 100, 512)  # eager prefill lengths run at warm-up (Triton specializations)
+EXTEND_GRAPH_ROWS = 8  # extend graphs cover up to this many rows ...
+EXTEND_GRAPH_TOKENS = EXTEND_TOKEN_BUCKETS[-1]  # ... and this many new tokens
+GRAPH_MEMORY_MARGIN = 256 << 20  # allocator rounding, cuBLAS workspaces, graph bookkeeping (an estimate)
 
 
 class ModelRunner:
@@ -39,8 +51,8 @@ class ModelRunner:
         cuda_graph: bool = True,
         max_batch: int = 256,
         fused_ops: bool = True,
-        extend_rows: int = 8,
-        extend_tokens: int = 256,
+        extend_rows: int = EXTEND_GRAPH_ROWS,
+        extend_tokens: int = EXTEND_GRAPH_TOKENS,
     ):
         self.engine = engine
         self.fused_ops = fused_ops
@@ -50,10 +62,28 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops)
             self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
         self.warm_up_times: dict[str, float] = {}
+        self.released = False
 
     @property
     def has_graphs(self) -> bool:
         return self.decode_graphs is not None
+
+    @property
+    def captures(self) -> bool:
+        """Steps replay captured CUDA graphs (off CUDA, graph-shaped batches run eagerly)."""
+        return self.decode_graphs is not None and self.decode_graphs.capture
+
+    def release(self) -> None:
+        """Frees the captured graphs, their memory pool and static buffers, for good.
+
+        Called when the engine releases its KV pool or rebuilds its core: the graphs replay into the pool's
+        addresses, so none may run afterwards; `forward` then raises.
+        """
+        for graphs in (self.decode_graphs, self.extend_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.decode_graphs = self.extend_graphs = None
+        self.released = True
 
     @property
     def max_graph_batch(self) -> int:
@@ -62,6 +92,7 @@ class ModelRunner:
     def ensure_graph_batch(self, max_batch: int) -> None:
         """Decode graphs cover batches up to `max_batch` rows (re-created, uncaptured, when they did not)."""
         if self.decode_graphs is not None and max_batch > self.decode_graphs.max_rows:
+            self.decode_graphs.release()
             self.decode_graphs = DecodeGraphs(self.engine, max_batch, self.fused_ops)
 
     def _graphs_for(self, step: StepRows) -> DecodeGraphs | ExtendGraphs | None:
@@ -74,14 +105,17 @@ class ModelRunner:
         """Whether `step` would replay a captured graph."""
         return self._graphs_for(step) is not None
 
-    def forward(
-        self, step: StepRows, eager: EagerForward | None = None, *, copy: bool = False
-    ) -> torch.Tensor:
+    def forward(self, step: StepRows, eager: EagerForward | None = None) -> torch.Tensor:
         """Logits of the positions `step` asks for, rows concatenated.
 
-        A graph's logits are its output buffer, valid until the next forward, unless `copy`. `eager` runs
-        the batch when no graph fits (default: the engine's counted forward).
+        A graph's logits are its output buffer, valid until the next forward. `eager` runs the batch when
+        no graph fits (default: the engine's counted forward).
         """
+        if self.released:
+            raise RuntimeError(
+                "this model runner was released with its engine's KV pool (closed, or options changed); "
+                "use the model's current engine (hf_radix.get_engine(model).model_runner)"
+            )
         graphs = self._graphs_for(step)
         if graphs is not None:
             try:
@@ -95,7 +129,7 @@ class ModelRunner:
         rows = step.logits_rows()
         if rows is not None:
             return logits[to_device(rows, logits.device)]
-        return logits.clone() if copy and graphs.capture else logits
+        return logits
 
     def _give_up_graphs(self, error: GraphCaptureError) -> None:
         """Every later step of this engine runs eagerly: its model's forward cannot be captured."""
@@ -106,6 +140,17 @@ class ModelRunner:
         self.decode_graphs = self.extend_graphs = None
 
     # -- warm-up -------------------------------------------------------------------------------------
+    def ensure_warm(self) -> dict[str, float]:
+        """`warm_up` once, where graphs are really captured (CUDA); later calls return at once.
+
+        The first radix `generate` on an engine calls it: every decode and extend graph shape is captured
+        and the eager kernels compiled in that call (seconds at 8B, reported in `warm_up_times`), so that
+        no later call, of any batch size, pays a capture or a compile inline.
+        """
+        if self.captures and not self.warm_up_times:
+            self.warm_up()
+        return dict(self.warm_up_times)
+
     def warm_up(self) -> dict[str, float]:
         """Captures every graph shape and compiles the eager kernels now; returns the seconds each took.
 
@@ -147,3 +192,35 @@ class ModelRunner:
             self._give_up_graphs(error)
         return capture
 
+
+
+def graph_memory_bytes(
+    model: torch.nn.Module,
+    dtype: torch.dtype,
+    max_batch: int,
+    kv_bound: int,
+    extend_rows: int = EXTEND_GRAPH_ROWS,
+    extend_tokens: int = EXTEND_GRAPH_TOKENS,
+) -> int:
+    """An estimate of the GPU memory a model runner's graphs take once every shape is captured.
+
+    The static metadata buffers (exact: decode graphs of `max_batch` rows, extend graphs of `extend_rows`
+    rows and `extend_tokens` tokens, slot lists of up to `kv_bound` positions a row), plus the graphs'
+    shared memory pool, which holds the largest captured forward's activations: per token the residual
+    stream, the normed input, the attention projections and output, the MLP's gate, up and activation;
+    the logits of every row (in the model's dtype and an fp32 upcast). Twice that, for what the caching
+    allocator rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
+    """
+    text = model.config.get_text_config(decoder=True)
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    element = torch.empty((), dtype=dtype).element_size()
+    tokens, rows = max(max_batch, extend_tokens), max(max_batch, extend_rows)
+    per_token = element * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim)
+    activations = tokens * per_token + rows * text.vocab_size * (element + 4)
+    static = static_buffer_bytes(max_batch, max_batch, kv_bound)
+    static += static_buffer_bytes(extend_rows, extend_tokens, kv_bound)
+    return static + 2 * activations + GRAPH_MEMORY_MARGIN

@@ -215,14 +215,17 @@ def placed_pool_tokens(
     page_size: int,
     max_total_tokens: int | None,
     mem_fraction: float,
+    reserve_bytes: int = 0,
 ) -> int:
-    """Pool capacity for layers on `devices`: what the tightest device affords for its share of layers."""
+    """Pool capacity for layers on `devices`: what the tightest device affords for its share of layers
+    (`reserve_bytes` kept free on each)."""
     counts: dict[torch.device, int] = {}
     for device in devices:
         counts[device] = counts.get(device, 0) + 1
     return min(
         pool_size_tokens(
-            dataclasses.replace(shape, num_layers=n), dtype, device, page_size, max_total_tokens, mem_fraction
+            dataclasses.replace(shape, num_layers=n), dtype, device, page_size, max_total_tokens,
+            mem_fraction, reserve_bytes,
         )
         for device, n in counts.items()
     )
@@ -238,6 +241,7 @@ def make_kv_pool(
     mem_fraction: float,
     store_backend: str,
     group=None,
+    reserve_bytes: int = 0,
 ) -> tuple[KVPool | PlacedKVPool, int]:
     """The engine's pool (one page past `num_pages`, for padded graph rows) and its number of managed pages.
 
@@ -250,7 +254,9 @@ def make_kv_pool(
         devices = layer_devices(model, shape.num_layers, default_device)
     else:
         devices = [default_device] * shape.num_layers
-    tokens = placed_pool_tokens(shape, dtype, devices, page_size, max_total_tokens, mem_fraction)
+    tokens = placed_pool_tokens(
+        shape, dtype, devices, page_size, max_total_tokens, mem_fraction, reserve_bytes
+    )
     if group is not None:
         tokens = min_over_group(tokens, group)
     num_pages = tokens // page_size

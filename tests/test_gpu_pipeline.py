@@ -188,3 +188,43 @@ def test_graphs_made_inside_inference_mode_replay_outside_it():
     assert out[0, len(prompt):].tolist() == want
     assert runner.run([prompt], params)[0].token_ids == want
     runner.check_integrity()
+
+
+def test_first_radix_generate_warms_up_once_and_a_new_pool_releases_the_graphs():
+    """The first radix generate captures every shape (none inline later); a new pool frees the old graphs."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama").cuda()
+    engine = hf_radix.configure(model, max_total_tokens=4096, attn_backend="triton", cuda_graph_max_batch=16)
+    gen = torch.Generator().manual_seed(8)
+    prompt = random_ids(gen, 20)
+    want = _hf_greedy(model, prompt, 5)
+    assert _hf_greedy_radix(model, prompt, 5) == want
+    core = engine.model_runner
+    assert set(core.warm_up_times) == {"eager_s", "capture_s"}
+    decode, extend = core.decode_graphs, core.extend_graphs
+    assert decode.num_graphs == len(decode.sizes) and extend.num_graphs == len(extend.shapes())
+    captured = (decode.capture_time, extend.capture_time)
+    rows = [random_ids(gen, 5 + i) for i in range(9)]
+    for row in rows:
+        assert _hf_greedy_radix(model, prompt + row, 4) == _hf_greedy(model, prompt + row, 4)
+    assert (decode.capture_time, extend.capture_time) == captured  # nothing captured inline
+    held = [weakref.ref(decode), weakref.ref(extend)]
+    del decode, extend
+    new = hf_radix.configure(model, max_total_tokens=8192)
+    gc.collect()
+    assert [g() for g in held] == [None, None] and core.released and engine.closed
+    assert _hf_greedy_radix(model, prompt, 5) == want
+    assert new.model_runner.warm_up_times and new.model_runner.decode_graphs.replays == 4
+    new.check_integrity()
+
+
+def test_pool_sized_from_free_memory_keeps_room_for_the_graphs():
+    model = tiny_model("llama").cuda()
+    engine = hf_radix.configure(model, mem_fraction=0.01, attn_backend="triton")
+    assert engine.graph_reserve > 0
+    prompt = random_ids(torch.Generator().manual_seed(9), 30)
+    assert _hf_greedy_radix(model, prompt, 4) == _hf_greedy(model, prompt, 4)  # warm-up captured all
+    assert engine.model_runner.decode_graphs.num_graphs == len(engine.model_runner.decode_graphs.sizes)
+    engine.check_integrity()
