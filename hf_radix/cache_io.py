@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 from transformers.utils import logging
 
 from .placement import require_one_device
+from .radix_tree import RadixNode, RadixPrefixCache
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -145,15 +146,13 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     _check_idle(engine, "save")
     _check_one_pool(engine, "save")
     start = time.perf_counter()
-    nodes = engine.manager.tree.nodes()
+    nodes, last_access, host_base = _tree_to_save(engine)
     index = {id(node): i for i, node in enumerate(nodes)}
     parent = np.array([index.get(id(n.parent), -1) for n in nodes], dtype=np.int64)
     length = np.array([len(n.key) for n in nodes], dtype=np.int64)
-    last_access = np.array([n.last_access for n in nodes], dtype=np.int64)
     tokens = np.concatenate([n.key for n in nodes]) if nodes else np.empty(0, np.int64)
     slots = np.concatenate([n.value for n in nodes]) if nodes else np.empty(0, np.int64)
-    pool, device = engine.pool, engine.device
-    slot_index = torch.as_tensor(slots, device=device)
+    pool = engine.pool
     tree = {
         "tree.parent": parent,
         "tree.length": length,
@@ -161,11 +160,11 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "tree.tokens": tokens,
     }
     tensors: dict[str, torch.Tensor | None] = {k: torch.from_numpy(v) for k, v in tree.items()}
-    layers = range(pool.shape.num_layers)
+    read_kv = _SavedKV(engine, slots, host_base)
     gathers = {}
-    for layer in layers:
-        gathers[f"k.{layer}"] = lambda layer=layer: pool.k_cache(layer).index_select(0, slot_index)
-        gathers[f"v.{layer}"] = lambda layer=layer: pool.v_cache(layer).index_select(0, slot_index)
+    for layer in range(pool.shape.num_layers):
+        for kind in "kv":
+            gathers[f"{kind}.{layer}"] = lambda kind=kind, layer=layer: read_kv(kind, layer)
     dims = {"k": pool.shape.head_dim, "v": pool.shape.value_dim}
     digests = {name: tensor_digest(t) for name, t in tensors.items()}
     digests.update({name: tensor_digest(gather()) for name, gather in gathers.items()})
@@ -186,12 +185,92 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         _write_header(f, metadata, specs)
         for t in tensors.values():
             f.write(_host_bytes(t))
-        _stream_to_file(f, [gathers[name] for name in gathers], device)
+        _stream_to_file(f, [gathers[name] for name in gathers], engine.device)
     os.replace(tmp, path)
     kv_bytes = len(slots) * pool.shape.bytes_per_token(pool.dtype)
     seconds = time.perf_counter() - start
     logger.info("saved %d cached tokens (%.2f GB) to %s in %.2fs", len(slots), kv_bytes / 1e9, path, seconds)
     return {"tokens": len(slots), "bytes": kv_bytes, "seconds": seconds, "gb_per_s": kv_bytes / 1e9 / seconds}
+
+
+def _tree_to_save(engine: RadixEngine) -> tuple[list[RadixNode], np.ndarray, int | None]:
+    """The nodes to save (parents first), their recency, and where host-tier slots start in their values.
+
+    Without a host tier (or with an empty one) this is the GPU tree, slots as they are. With one, it is a
+    merged tree of both tiers: the GPU tree's paths first (so where both hold a prefix, the GPU copy is
+    the one saved), then the host tree's; a value `host_base + h` stands for host slot `h`. Recency keeps
+    each tier's order, with every host-only prefix older than every GPU-resident one.
+    """
+    manager, tier = engine.manager, engine.host_tier
+    if tier is None or not tier.tree.size_info.total_size:
+        nodes = manager.tree.nodes()
+        return nodes, np.array([n.last_access for n in nodes], dtype=np.int64), None
+    host_base = (manager.num_pages + 1) * manager.page_size  # past the scratch page
+    host_access, host_top = _slot_access(tier.tree, tier.num_pages * tier.page_size)
+    gpu_access, _ = _slot_access(manager.tree, host_base)
+    merged = RadixPrefixCache(manager.page_size)
+    for source, shift in ((manager.tree, 0), (tier.tree, host_base)):
+        for node in source.nodes():
+            if not node.children:
+                path, values = _path(node)
+                merged.insert_prefix(path, values + shift)
+    nodes = merged.nodes()
+    last = np.array([n.value[-1] for n in nodes], dtype=np.int64)
+    on_host = last >= host_base
+    last_access = np.where(on_host, host_access[np.where(on_host, last - host_base, 0)],
+                           gpu_access[np.where(on_host, 0, last)] + host_top + 1)
+    index = {id(node): i for i, node in enumerate(nodes)}
+    for i in range(len(nodes) - 1, -1, -1):  # children after parents: a parent is at least as recent
+        parent = index.get(id(nodes[i].parent))
+        if parent is not None:
+            last_access[parent] = max(last_access[parent], last_access[i])
+    return nodes, last_access, host_base
+
+
+def _slot_access(tree: RadixPrefixCache, num_slots: int) -> tuple[np.ndarray, int]:
+    """The last access of the node holding each slot (0 where none does), and the largest of them."""
+    access = np.zeros(num_slots, dtype=np.int64)
+    for node in tree.nodes():
+        access[node.value] = node.last_access
+    return access, int(access.max(initial=0))
+
+
+def _path(node: RadixNode) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and slots from the root down to `node`."""
+    keys, values = [], []
+    while node.parent is not None:
+        keys.append(node.key)
+        values.append(node.value)
+        node = node.parent
+    return np.concatenate(keys[::-1]), np.concatenate(values[::-1])
+
+
+class _SavedKV:
+    """One layer's K or V of the saved slots, on the pool's device: GPU slots from the pool, the others
+    (values from `host_base` on) from the host tier's buffers, once its copies in flight have landed."""
+
+    def __init__(self, engine: RadixEngine, slots: np.ndarray, host_base: int | None):
+        self.pool, self.tier, device = engine.pool, engine.host_tier, engine.device
+        on_host = slots >= host_base if host_base is not None else np.zeros(len(slots), dtype=bool)
+        self.count = len(slots)
+        self.gpu_at = torch.as_tensor(np.flatnonzero(~on_host), device=device)
+        self.gpu_slots = torch.as_tensor(slots[~on_host], device=device)
+        self.host_at = torch.as_tensor(np.flatnonzero(on_host), device=device)
+        host = slots[on_host] - (host_base or 0)
+        if len(host):
+            self.tier.wait_for_copies()
+        ps = engine.page_size
+        self.host_pages, self.host_rows = torch.from_numpy(host // ps), torch.from_numpy(host % ps)
+
+    def __call__(self, kind: str, layer: int) -> torch.Tensor:
+        cache = self.pool.k_cache(layer) if kind == "k" else self.pool.v_cache(layer)
+        if not len(self.host_at):
+            return cache.index_select(0, self.gpu_slots)
+        out = torch.empty((self.count, *cache.shape[1:]), dtype=cache.dtype, device=cache.device)
+        out[self.gpu_at] = cache.index_select(0, self.gpu_slots)
+        host = (self.tier.keys if kind == "k" else self.tier.values)[self.host_pages, layer, self.host_rows]
+        out[self.host_at] = host.to(cache.device)
+        return out
 
 
 def _write_header(f, metadata: dict[str, str], specs: list[tuple[str, torch.dtype, tuple]]) -> None:

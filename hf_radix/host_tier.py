@@ -30,7 +30,7 @@ logger = logging.get_logger(__name__)
 __all__ = ["HostTier", "host_tier_tokens"]
 
 # The pool is [2, layers, pages, page_size, heads, dim]; the host buffer keeps each page contiguous.
-STAGING_BYTES = 256 << 20
+STAGING_BYTES = 128 << 20  # two GPU buffers, allocated once: a copy goes through them in chunks
 
 
 def host_tier_tokens(pool: KVPool, tokens: int | None, gigabytes: float | None) -> int | None:
@@ -61,7 +61,7 @@ def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
 class HostTier:
     """LRU prefix cache in host memory behind a GPU `CacheManager`; see the module docstring."""
 
-    def __init__(self, pool: KVPool, num_tokens: int):
+    def __init__(self, pool: KVPool, num_tokens: int, staging_pages: int | None = None):
         ps = pool.page_size
         self.pool = pool
         self.page_size = ps
@@ -77,7 +77,13 @@ class HostTier:
         )
         self.stream = torch.cuda.Stream(pool.device) if cuda else None
         page_bytes = ps * shape.bytes_per_token(pool.dtype)
-        self._chunk_pages = max(1, STAGING_BYTES // page_bytes)  # bounds the GPU staging buffer of a copy
+        self._chunk_pages = staging_pages or max(1, STAGING_BYTES // page_bytes)
+        # Layer-major and page-major staging of one chunk of keys or values, allocated here once: a copy
+        # allocates no device memory (no allocator stall or out-of-memory mid-run). Only the side stream
+        # uses them, so a copy never rewrites them while an earlier one still reads them.
+        staging = self._chunk_pages * ps * shape.num_layers * shape.num_kv_heads * max(shape.head_dim,
+                                                                                     shape.value_dim)
+        self._staging = [torch.empty(staging, dtype=pool.dtype, device=pool.device) for _ in range(2)]
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
         self.stored_tokens = 0  # copied out to host memory
@@ -191,6 +197,16 @@ class HostTier:
         ps = self.page_size
         return self._index((pages[:, None] * ps + np.arange(ps)).reshape(-1))
 
+    def _staged(self, pages: int, pool_side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the staging buffers for `pages` pages of one side of the pool: layer-major
+        `[layers, pages, page_size, heads, dim]` (the pool's order) and page-major
+        `[pages, layers, page_size, heads, dim]` (the host buffers' order)."""
+        layers, _, heads, dim = pool_side.shape
+        size = layers * pages * self.page_size * heads * dim
+        layer_major = self._staging[0][:size].view(layers, pages, self.page_size, heads, dim)
+        page_major = self._staging[1][:size].view(pages, layers, self.page_size, heads, dim)
+        return layer_major, page_major
+
     def _copy_out(self, gpu_slots: np.ndarray, host_slots: np.ndarray) -> None:
         ps = self.page_size
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
@@ -199,11 +215,11 @@ class HostTier:
                 hi = lo + self._chunk_pages
                 index = self._slot_index(gpu_pages[lo:hi])
                 for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
-                    layers, _, heads, dim = pool_side.shape
-                    staged = pool_side.index_select(1, index).view(layers, -1, ps, heads, dim)
-                    staged = staged.transpose(0, 1).contiguous()
+                    layer_major, page_major = self._staged(len(index) // ps, pool_side)
+                    torch.index_select(pool_side, 1, index, out=layer_major.flatten(1, 2))
+                    page_major.copy_(layer_major.transpose(0, 1))
                     for at, page, count in _runs(host_pages[lo:hi]):
-                        host_side[page : page + count].copy_(staged[at : at + count], non_blocking=True)
+                        host_side[page : page + count].copy_(page_major[at : at + count], non_blocking=True)
 
     def _copy_in(self, host_slots: np.ndarray, gpu_slots: np.ndarray) -> None:
         ps = self.page_size
@@ -213,12 +229,11 @@ class HostTier:
                 hi = lo + self._chunk_pages
                 index = self._slot_index(gpu_pages[lo:hi])
                 for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
-                    shape = (len(host_pages[lo:hi]), *host_side.shape[1:])
-                    staged = torch.empty(shape, dtype=pool_side.dtype, device=pool_side.device)
+                    layer_major, page_major = self._staged(len(index) // ps, pool_side)
                     for at, page, count in _runs(host_pages[lo:hi]):
-                        staged[at : at + count].copy_(host_side[page : page + count], non_blocking=True)
-                    layers, _, heads, dim = pool_side.shape
-                    pool_side.index_copy_(1, index, staged.transpose(0, 1).reshape(layers, -1, heads, dim))
+                        page_major[at : at + count].copy_(host_side[page : page + count], non_blocking=True)
+                    layer_major.copy_(page_major.transpose(0, 1))
+                    pool_side.index_copy_(1, index, layer_major.flatten(1, 2))
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -232,6 +247,11 @@ class HostTier:
         with torch.cuda.stream(self.stream):
             yield
         main.wait_stream(self.stream)
+
+    def wait_for_copies(self) -> None:
+        """Blocks until every copy issued so far has landed (before the host reads its buffers: a save)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     # -- maintenance ---------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -210,13 +210,46 @@ def test_empty_cache_round_trip(tmp_path):
     fresh.check_integrity()
 
 
-def test_engines_with_a_host_tier_save_and_load_their_gpu_tree(tmp_path):
-    runner = _runner(max_total_tokens=64, host_cache_tokens=512)
-    outs = runner.run(_prompts(), GREEDY)
+def _union_tokens(engine) -> int:
+    """Tokens of every prefix either tier holds (each counted once)."""
+    merged = hf_radix.radix_tree.RadixPrefixCache(engine.page_size)
+    for tree in (engine.manager.tree, engine.host_tier.tree):
+        for node in tree.nodes():
+            path, n = [], node
+            while n.parent is not None:
+                path.append(n.key)
+                n = n.parent
+            ids = np.concatenate(path[::-1])
+            merged.insert_prefix(ids, np.arange(len(ids)))
+    return merged.size_info.total_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_save_holds_the_host_tier_too(tmp_path, page_size: int):
+    prompts = _prompts()
+    runner = _runner(max_total_tokens=64, host_cache_tokens=512, page_size=page_size)
+    outs = [runner.run([p], GREEDY)[0] for p in prompts]  # one at a time: earlier ones go to the host
+    engine = runner.engine
+    gpu_only = engine.manager.tree.size_info.total_size
+    assert engine.host_tier.stored_tokens > 0 and _union_tokens(engine) > gpu_only
     info = runner.save_cache(tmp_path / "c.safetensors")
-    assert info["tokens"] == runner.engine.manager.tree.size_info.total_size
-    fresh = _runner(max_total_tokens=64, host_cache_tokens=512)
+    assert info["tokens"] == _union_tokens(engine)
+    runner.check_integrity()
+
+    fresh = _runner(page_size=page_size)  # room for all of it on the GPU
     assert fresh.load_cache(tmp_path / "c.safetensors")["tokens"] == info["tokens"]
     fresh.check_integrity()
-    assert [o.token_ids for o in fresh.run(_prompts(), GREEDY)] == [o.token_ids for o in outs]
+    again = [fresh.run([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.cached_tokens for o in again] == [(len(p) - 1) // page_size * page_size for p in prompts]
     fresh.check_integrity()
+
+    # the same small engine: the most recently used prefixes (the GPU-resident ones) come back first
+    small = _runner(max_total_tokens=64, host_cache_tokens=512, page_size=page_size)
+    loaded = small.load_cache(tmp_path / "c.safetensors")["tokens"]
+    small.check_integrity()
+    assert gpu_only <= loaded <= 64
+    last = prompts[-1]
+    assert small.engine.manager.match(last).cached_len == (len(last) - 1) // page_size * page_size
+    assert [small.run([p], GREEDY)[0].token_ids for p in prompts] == [o.token_ids for o in outs]
+    small.check_integrity()

@@ -100,12 +100,13 @@ def test_options_are_validated():
 
 
 # ------------------------------------------------------------------------- manager-level (no model)
-def _two_tier(gpu_pages: int, host_tokens: int, page_size: int = 1, chunk_pages: int = 3) -> CacheManager:
-    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2)
+def _two_tier(
+    gpu_pages: int, host_tokens: int, page_size: int = 1, chunk_pages: int = 3, v_head_dim: int | None = None
+) -> CacheManager:
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, v_head_dim=v_head_dim)
     pool = KVPool(shape, gpu_pages, page_size, torch.float32, "cpu")
     manager = CacheManager(gpu_pages, page_size)
-    tier = HostTier(pool, host_tokens)
-    tier._chunk_pages = chunk_pages  # copies go through the staging buffer in several chunks
+    tier = HostTier(pool, host_tokens, staging_pages=chunk_pages)  # copies go in several chunks
     tier.attach(manager)
     return manager
 
@@ -157,8 +158,9 @@ def _host_len(manager: CacheManager, ids) -> int:
     return manager.host_tier.tree.match_prefix(np.asarray(ids)).cached_len
 
 
-def test_host_tier_eviction_is_lru():
-    manager = _two_tier(gpu_pages=8, host_tokens=16)
+@pytest.mark.parametrize("v_head_dim", [None, 3])
+def test_host_tier_eviction_is_lru(v_head_dim):
+    manager = _two_tier(gpu_pages=8, host_tokens=16, v_head_dim=v_head_dim)
     a, b, c, d = ([k] * 8 for k in (10, 20, 30, 40))
     for ids in (a, b, c):  # each evicts the previous one to the host tier
         _serve(manager, ids)
