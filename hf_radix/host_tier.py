@@ -131,7 +131,7 @@ class HostTier:
             if count == 0:
                 return
             host = self._take(count // self.page_size)
-            self._copy_out(np.concatenate(values[::-1])[have : have + count], host)
+            self._copy(np.concatenate(values[::-1])[have : have + count], host, to_host=True)
             self.tree.insert_prefix(ids[: have + count], np.concatenate([handle.matched_indices(), host]))
             self.stored_tokens += count
         finally:
@@ -171,7 +171,7 @@ class HostTier:
                 return handle
             pages = manager.take_pages(count // ps)
             slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
-            self._copy_in(host_handle.matched_indices()[gpu_len : gpu_len + count], slots)
+            self._copy(slots, host_handle.matched_indices()[gpu_len : gpu_len + count], to_host=False)
             present, longer = manager.tree.insert_prefix(
                 ids[: gpu_len + count], np.concatenate([handle.matched_indices(), slots])
             )
@@ -207,33 +207,26 @@ class HostTier:
         page_major = self._staging[1][:size].view(pages, layers, self.page_size, heads, dim)
         return layer_major, page_major
 
-    def _copy_out(self, gpu_slots: np.ndarray, host_slots: np.ndarray) -> None:
+    def _copy(self, gpu_slots: np.ndarray, host_slots: np.ndarray, *, to_host: bool) -> None:
+        """Copies whole pages between the pool and the host buffers (`to_host`: out), chunk by chunk
+        through the staging buffers, on the side stream."""
         ps = self.page_size
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
         with self._side_stream():
             for lo in range(0, len(host_pages), self._chunk_pages):
                 hi = lo + self._chunk_pages
-                index = self._slot_index(gpu_pages[lo:hi])
+                index, runs = self._slot_index(gpu_pages[lo:hi]), _runs(host_pages[lo:hi])
                 for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
                     layer_major, page_major = self._staged(len(index) // ps, pool_side)
-                    torch.index_select(pool_side, 1, index, out=layer_major.flatten(1, 2))
-                    page_major.copy_(layer_major.transpose(0, 1))
-                    for at, page, count in _runs(host_pages[lo:hi]):
-                        host_side[page : page + count].copy_(page_major[at : at + count], non_blocking=True)
-
-    def _copy_in(self, host_slots: np.ndarray, gpu_slots: np.ndarray) -> None:
-        ps = self.page_size
-        host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
-        with self._side_stream():
-            for lo in range(0, len(host_pages), self._chunk_pages):
-                hi = lo + self._chunk_pages
-                index = self._slot_index(gpu_pages[lo:hi])
-                for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
-                    layer_major, page_major = self._staged(len(index) // ps, pool_side)
-                    for at, page, count in _runs(host_pages[lo:hi]):
-                        page_major[at : at + count].copy_(host_side[page : page + count], non_blocking=True)
-                    layer_major.copy_(page_major.transpose(0, 1))
-                    pool_side.index_copy_(1, index, layer_major.flatten(1, 2))
+                    if to_host:
+                        torch.index_select(pool_side, 1, index, out=layer_major.flatten(1, 2))
+                        page_major.copy_(layer_major.transpose(0, 1))
+                    for at, page, count in runs:
+                        host, staged = host_side[page : page + count], page_major[at : at + count]
+                        (host if to_host else staged).copy_(staged if to_host else host, non_blocking=True)
+                    if not to_host:
+                        layer_major.copy_(page_major.transpose(0, 1))
+                        pool_side.index_copy_(1, index, layer_major.flatten(1, 2))
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:

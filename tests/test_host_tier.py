@@ -14,6 +14,7 @@ from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.cache_manager import CacheManager
 from hf_radix.host_tier import HostTier
 from hf_radix.kv_pool import KVPool, KVShape
+from hf_radix.radix_tree import IntegrityError
 
 NEW = 4
 GREEDY = SamplingParams(max_new_tokens=NEW)
@@ -249,3 +250,47 @@ def _run_ops(manager: CacheManager, ops) -> None:
         manager.cache_req(row, row_ids, len(row_ids), finished=True)
     manager.check_integrity()
     assert manager.tree.size_info.protected_size == 0
+
+
+def _populated_two_tier() -> CacheManager:
+    manager = _two_tier(gpu_pages=3, host_tokens=16, page_size=2)
+    for k in (10, 20, 30):
+        _serve(manager, [k] * 6)  # each evicts the one before it to the host tier
+    manager.check_integrity()
+    assert manager.host_tier.tree.size_info.total_size == 12
+    return manager
+
+
+def _plant_double(tier: HostTier) -> None:
+    tier._free[0] = tier.tree.slot_indices()[0]
+
+
+def _plant_lock(tier: HostTier) -> None:
+    tier.tree.lock(tier.tree.match_prefix(np.array([10] * 4)))
+
+
+def _plant_stale_lru(tier: HostTier) -> None:
+    tier.tree._heap.clear()  # the LRU order no longer knows an evictable leaf
+
+
+def _plant_out_of_range(tier: HostTier) -> None:
+    leaf = next(n for n in tier.tree.nodes() if not n.children)
+    leaf.value = leaf.value + tier.num_pages * tier.page_size
+
+
+@pytest.mark.parametrize(
+    "plant,message",
+    [
+        (_plant_double, "free and held"),
+        (lambda tier: setattr(tier, "_free", tier._free[1:]), "host page leak"),
+        (_plant_lock, "locked between calls"),
+        (_plant_stale_lru, "eviction heap"),
+        (_plant_out_of_range, "out of range"),
+    ],
+    ids=["free-and-held", "leak", "lock", "lru", "range"],
+)
+def test_integrity_catches_a_broken_host_tier(plant, message):
+    manager = _populated_two_tier()
+    plant(manager.host_tier)
+    with pytest.raises(IntegrityError, match=message):
+        manager.check_integrity()  # the manager's check covers the host tier
