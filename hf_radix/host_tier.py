@@ -144,8 +144,29 @@ class HostTier:
             freed = self.tree.evict((count - len(self._free)) * ps)
             self.evicted_tokens += len(freed)
             self._free = np.sort(np.concatenate([self._free, freed[::ps]]))  # sorted: copies in long runs
+        return self._pop_free(count)
+
+    def _pop_free(self, count: int) -> np.ndarray:
         taken, self._free = self._free[:count], self._free[count:]
-        return (taken[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+        return (taken[:, None] + np.arange(self.page_size, dtype=np.int64)).reshape(-1)
+
+    # -- pages written from the host (cache_io) ------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def take_free_pages(self, count: int) -> np.ndarray:
+        """Slots of `count` free host pages (evicting nothing) for the host to write: waits first for the
+        copies in flight, so that none still reads or writes them."""
+        if count > len(self._free):
+            raise ValueError(f"{count} host pages asked for, {len(self._free)} free")
+        self.wait_for_copies()
+        return self._pop_free(count)
+
+    def release_pages(self, slots: np.ndarray) -> None:
+        """Returns whole host pages (all their slots) to the free list."""
+        firsts = np.asarray(slots, dtype=np.int64)[:: self.page_size]
+        self._free = np.sort(np.concatenate([self._free, firsts]))
 
     # -- host -> GPU ---------------------------------------------------------------------------------
     def extend_match(self, ids: np.ndarray, handle: MatchHandle) -> MatchHandle:

@@ -244,12 +244,42 @@ def test_a_save_holds_the_host_tier_too(tmp_path, page_size: int):
     assert [o.cached_tokens for o in again] == [(len(p) - 1) // page_size * page_size for p in prompts]
     fresh.check_integrity()
 
-    # the same small engine: the most recently used prefixes (the GPU-resident ones) come back first
+    # a fresh engine like the first: the GPU takes the most recently used prefixes, the host tier all
     small = _runner(max_total_tokens=64, host_cache_tokens=512, page_size=page_size)
-    loaded = small.load_cache(tmp_path / "c.safetensors")["tokens"]
+    loaded = small.load_cache(tmp_path / "c.safetensors")
     small.check_integrity()
-    assert gpu_only <= loaded <= 64
+    assert gpu_only <= loaded["tokens"] <= 64 and loaded["host_tokens"] == info["tokens"]
     last = prompts[-1]
-    assert small.engine.manager.match(last).cached_len == (len(last) - 1) // page_size * page_size
-    assert [small.run([p], GREEDY)[0].token_ids for p in prompts] == [o.token_ids for o in outs]
+    assert small.engine.manager.gpu_cached_len(last) == (len(last) - 1) // page_size * page_size
+    again = [small.run([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.cached_tokens for o in again] == [(len(p) - 1) // page_size * page_size for p in prompts]
+    assert sum(o.host_cached_tokens for o in again) > 0
     small.check_integrity()
+
+
+def test_a_host_tier_smaller_than_the_file_takes_the_most_recent_paths(tmp_path):
+    runner, outs, path = _saved(tmp_path)
+    target = _runner(max_total_tokens=64, host_cache_tokens=48)
+    loaded = target.load_cache(path)
+    target.check_integrity()
+    assert loaded["tokens"] == 64 and 33 <= loaded["host_tokens"] <= 48 < loaded["saved_tokens"]
+    assert [o.token_ids for o in target.run(_prompts(), GREEDY)] == [o.token_ids for o in outs]
+    target.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["data", "truncated"])
+def test_a_damaged_file_leaves_the_host_tier_as_it_was(tmp_path, how: str):
+    _, _, path = _saved(tmp_path)
+    _damage(path, how)
+    target = _runner(max_total_tokens=64, host_cache_tokens=512)
+    for prompt in _prompts(seed=5):
+        target.run([prompt], GREEDY)
+    tier = target.engine.host_tier
+    before = _snapshot(target), tier.num_free_pages, tier.tree.size_info
+    with pytest.raises(CacheFileError):
+        target.load_cache(path)
+    assert (_snapshot(target), tier.num_free_pages, tier.tree.size_info) == before
+    target.check_integrity()
+
+
