@@ -69,21 +69,22 @@ class HostTier:
         self.tree = RadixPrefixCache(ps)
         cuda = pool.device.type == "cuda"
         shape = pool.shape
-        # Page-major host copies of the pool's keys and values: [pages, layers, page_size, heads, dim].
-        self.keys, self.values = (
-            torch.empty((self.num_pages, shape.num_layers, ps, shape.num_kv_heads, dim), dtype=pool.dtype,
-                        pin_memory=cuda)
-            for dim in (shape.head_dim, shape.value_dim)
-        )
         self.stream = torch.cuda.Stream(pool.device) if cuda else None
         page_bytes = ps * shape.bytes_per_token(pool.dtype)
         self._chunk_pages = staging_pages or max(1, STAGING_BYTES // page_bytes)
-        # Layer-major and page-major staging of one chunk of keys or values, allocated here once: a copy
-        # allocates no device memory (no allocator stall or out-of-memory mid-run). Only the side stream
-        # uses them, so a copy never rewrites them while an earlier one still reads them.
         staging = self._chunk_pages * ps * shape.num_layers * shape.num_kv_heads * max(shape.head_dim,
                                                                                      shape.value_dim)
-        self._staging = [torch.empty(staging, dtype=pool.dtype, device=pool.device) for _ in range(2)]
+        with torch.inference_mode(False):  # normal tensors: written in place inside and outside it
+            # Page-major host copies of the pool's keys and values: [pages, layers, page_size, heads, dim].
+            self.keys, self.values = (
+                torch.empty((self.num_pages, shape.num_layers, ps, shape.num_kv_heads, dim),
+                            dtype=pool.dtype, pin_memory=cuda)
+                for dim in (shape.head_dim, shape.value_dim)
+            )
+            # Layer-major and page-major staging of one chunk of keys or values, allocated once: a copy
+            # allocates no device memory (no allocator stall or out-of-memory mid-run). Only the side
+            # stream uses them, so a copy never rewrites them while an earlier one still reads them.
+            self._staging = [torch.empty(staging, dtype=pool.dtype, device=pool.device) for _ in range(2)]
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
         self.stored_tokens = 0  # copied out to host memory

@@ -294,3 +294,12 @@ def test_integrity_catches_a_broken_host_tier(plant, message):
     plant(manager.host_tier)
     with pytest.raises(IntegrityError, match=message):
         manager.check_integrity()  # the manager's check covers the host tier
+
+
+def test_a_tier_built_under_inference_mode_serves_outside_it():
+    prompts = _conversations(count=3)
+    with torch.inference_mode():
+        runner = RadixBatchRunner(fresh_model("llama"), max_total_tokens=56, host_cache_tokens=256,
+                                  attn_backend="torch")
+    outs = _revisit(runner, prompts)
+    assert runner.engine.host_tier.restored_tokens > 0 and all(o.error is None for o in outs)
