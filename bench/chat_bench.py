@@ -5,7 +5,8 @@ a 64-token answer (greedy, EOS ignored), and the next turn's prompt is the whole
 come back in waves (`--wave` per `run` call), so a conversation returns after the others have used the
 pool. The small pool holds a quarter of all final histories; the host tier holds all of them.
 Llama-3.1-8B shape with random bf16 weights on the GPU (`--layers` for a shallower model of the same
-width); `--tiny` is a CPU self-check.
+width); `--tiny` is a CPU self-check of every step. Each configuration is one part: the JSON is rewritten
+after each, and a part that fails is recorded there while the others still run.
 
     python bench/chat_bench.py --out bench/results/chat_bench_h200.json
     python bench/chat_bench.py --tiny
@@ -15,38 +16,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import LLAMA_8B, build_llama  # noqa: E402
+from common import ResultFile, bench_device, model_arguments, say, seeded_model, sync  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
 
 FULL = dict(conversations=256, turns=4, system_len=256, user_len=128, answer_len=64, wave=32)
 TINY = dict(conversations=16, turns=3, system_len=12, user_len=10, answer_len=6, wave=4)
+CONFIGS = ("unbounded", "host_tier", "no_tier")
 
 
-def build_model(args, device: str) -> torch.nn.Module:
-    torch.manual_seed(args.seed)
-    if args.tiny or args.layers is None:
-        return build_llama(args.tiny, device)
-    config = transformers.LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": args.layers})
-    with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: str) -> dict:
+def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: str, label: str) -> dict:
     """Runs the whole workload; returns time, hit rates and every answer."""
     rng = np.random.default_rng(seed)
     system = rng.integers(10, vocab, shape["system_len"]).tolist()
@@ -56,9 +45,9 @@ def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: s
     stats = runner.stats
     before = (stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens)
     per_turn = []
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
-    for _ in range(shape["turns"]):
+    for turn in range(shape["turns"]):
         turn_start, turn_before = time.perf_counter(), (stats.prompt_tokens, stats.cached_tokens)
         for history in histories:
             history += rng.integers(10, vocab, shape["user_len"]).tolist()
@@ -70,10 +59,12 @@ def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: s
                     raise RuntimeError(out.error)
                 history += out.token_ids
                 answers.append(out.token_ids)
-        _sync(device)
+        sync(device)
         prompt = stats.prompt_tokens - turn_before[0]
         per_turn.append({"seconds": time.perf_counter() - turn_start,
                          "hit_rate": (stats.cached_tokens - turn_before[1]) / prompt})
+        say(f"{label} turn {turn + 1}/{shape['turns']}: {per_turn[-1]['seconds']:.2f}s, "
+            f"hit rate {per_turn[-1]['hit_rate']:.3f}")
     seconds = time.perf_counter() - start
     prompt, cached, host = (now - was for now, was in zip(
         (stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens), before))
@@ -84,86 +75,80 @@ def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: s
     }
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+def summarize(results: dict) -> dict:
+    """Each configuration against the unbounded pool: hit rate, time and answers (when both finished)."""
+    ref = results.get("unbounded")
+    if ref is None:
+        return {}
+    summary = {}
+    for name, res in results.items():
+        same = [a == b for a, b in zip(res["answers"], ref["answers"])]
+        summary[name] = {"hit_rate_vs_unbounded": res["hit_rate"] / ref["hit_rate"],
+                         "time_vs_unbounded": res["seconds"] / ref["seconds"],
+                         "same_answers_as_unbounded": float(np.mean(same)) if same else None}
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
+    parser = model_arguments(argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU: a self-check")
-    parser.add_argument("--layers", type=int, help="8B width with this many layers (a smaller shape)")
+    ))
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int)
     parser.add_argument("--pool-fraction", type=float, default=0.25, help="small pool / all final histories")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--configs", default="unbounded,host_tier,no_tier")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="write the results (JSON) here")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args(argv)
 
     shape = dict(TINY if args.tiny else FULL)
     for key in FULL:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
-    device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
-    model = build_model(args, device)
-    vocab = model.config.vocab_size
     final = shape["system_len"] + shape["turns"] * (shape["user_len"] + shape["answer_len"])
     all_histories = shape["conversations"] * final
     small = int(all_histories * args.pool_fraction)
-    configs = {
+    configs = {  # 256 x 1,024 tokens: the host tier's pinned buffers are a power of two (no round-up)
         "unbounded": dict(max_total_tokens=all_histories + 4096, host_cache_tokens=0),
-        "host_tier": dict(max_total_tokens=small, host_cache_tokens=all_histories + 4096),
+        "host_tier": dict(max_total_tokens=small, host_cache_tokens=all_histories),
         "no_tier": dict(max_total_tokens=small, host_cache_tokens=0),
     }
-    results: dict = {}
-    for name in args.configs.split(","):
-        runner = RadixBatchRunner(model, page_size=args.page_size, max_running_requests=shape["wave"],
-                                  **configs[name])
-        warm = dict(shape, conversations=shape["wave"], turns=1)
-        chat(runner, warm, vocab, args.seed + 1, device)  # compiles kernels and captures graphs
-        runner.reset_cache()
-        results[name] = chat(runner, shape, vocab, args.seed, device)
-        runner.check_integrity()
-        results[name]["engine"] = hf_radix.cache_stats(model)
-        print(f"{name:<10} {results[name]['seconds']:8.2f}s  hit rate {results[name]['hit_rate']:.3f}  "
-              f"(host {results[name]['host_cached_tokens']:,} of {results[name]['cached_tokens']:,} cached)")
-        del runner
+    names = args.configs.split(",")
+    unknown = set(names) - set(configs)
+    if unknown:
+        parser.error(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
+    file = ResultFile(
+        args.out, args,
+        workload={**shape, "all_history_tokens": all_histories, "small_pool_tokens": small},
+        goals="host_tier: hit_rate_vs_unbounded >= 0.9 and time_vs_unbounded <= 1.2",
+    )
+    device = bench_device(args)
+    say(f"{shape['conversations']} conversations x {shape['turns']} turns, final history {final} tokens; "
+        f"small pool {small:,} of {all_histories:,} tokens; {device}")
+    model = seeded_model(args, device)
+    vocab = model.config.vocab_size
+    results: dict = {}  # with the answers, for the summary
+    for name in names:
+        with file.part(name):
+            runner = RadixBatchRunner(model, page_size=args.page_size, max_running_requests=shape["wave"],
+                                      **configs[name])
+            warm = dict(shape, conversations=shape["wave"], turns=1)
+            chat(runner, warm, vocab, args.seed + 1, device, f"{name} warm-up")  # kernels and graphs
+            runner.reset_cache()
+            result = chat(runner, shape, vocab, args.seed, device, name)
+            runner.check_integrity()
+            result["engine"] = hf_radix.cache_stats(model)
+            results[name] = result
+            file.data["results"][name] = {k: v for k, v in result.items() if k != "answers"}
+            file.data["summary"] = summarize(results)
+            say(f"{name:<10} {result['seconds']:8.2f}s  hit rate {result['hit_rate']:.3f}  "
+                f"(host {result['host_cached_tokens']:,} of {result['cached_tokens']:,} cached)")
+        runner = None
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
-
-    summary = {}
-    if "unbounded" in results:
-        ref = results["unbounded"]
-        for name, res in results.items():
-            same = [a == b for a, b in zip(res["answers"], ref["answers"])]
-            res["same_answers_as_unbounded"] = float(np.mean(same))
-            summary[name] = {"hit_rate_vs_unbounded": res["hit_rate"] / ref["hit_rate"],
-                             "time_vs_unbounded": res["seconds"] / ref["seconds"]}
-        print(json.dumps(summary, indent=1))
-    for res in results.values():
-        del res["answers"]
-    out = {
-        "command": " ".join(["python", *sys.argv]),
-        "workload": {**shape, "all_history_tokens": all_histories, "small_pool_tokens": small},
-        "config": {
-            "model": "tiny llama fp32" if args.tiny else f"Llama-3.1-8B shape ({args.layers or 32} layers), "
-                                                         "random bf16 weights",
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "page_size": args.page_size, "torch": torch.__version__, "transformers": transformers.__version__,
-        },
-        "results": results,
-        "summary": summary,
-        "goals": "host_tier: hit_rate_vs_unbounded >= 0.9 and time_vs_unbounded <= 1.2",
-    }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
-    return out
+    for name, row in file.data.get("summary", {}).items():
+        say(f"{name:<10} hit rate x{row['hit_rate_vs_unbounded']:.3f} of unbounded, "
+            f"time x{row['time_vs_unbounded']:.3f}, same answers {row['same_answers_as_unbounded']:.3f}")
+    return file.finish()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ logger = logging.get_logger(__name__)
 __all__ = ["HostTier", "host_tier_tokens"]
 
 # The pool is [2, layers, pages, page_size, heads, dim]; the host buffer keeps each page contiguous.
-STAGING_BYTES = 256 << 20
+STAGING_BYTES = 128 << 20  # two GPU buffers, allocated once: a copy goes through them in chunks
 
 
 def host_tier_tokens(pool: KVPool, tokens: int | None, gigabytes: float | None) -> int | None:
@@ -61,7 +61,7 @@ def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
 class HostTier:
     """LRU prefix cache in host memory behind a GPU `CacheManager`; see the module docstring."""
 
-    def __init__(self, pool: KVPool, num_tokens: int):
+    def __init__(self, pool: KVPool, num_tokens: int, staging_pages: int | None = None):
         ps = pool.page_size
         self.pool = pool
         self.page_size = ps
@@ -69,15 +69,22 @@ class HostTier:
         self.tree = RadixPrefixCache(ps)
         cuda = pool.device.type == "cuda"
         shape = pool.shape
-        # Page-major host copies of the pool's keys and values: [pages, layers, page_size, heads, dim].
-        self.keys, self.values = (
-            torch.empty((self.num_pages, shape.num_layers, ps, shape.num_kv_heads, dim), dtype=pool.dtype,
-                        pin_memory=cuda)
-            for dim in (shape.head_dim, shape.value_dim)
-        )
         self.stream = torch.cuda.Stream(pool.device) if cuda else None
         page_bytes = ps * shape.bytes_per_token(pool.dtype)
-        self._chunk_pages = max(1, STAGING_BYTES // page_bytes)  # bounds the GPU staging buffer of a copy
+        self._chunk_pages = staging_pages or max(1, STAGING_BYTES // page_bytes)
+        staging = self._chunk_pages * ps * shape.num_layers * shape.num_kv_heads * max(shape.head_dim,
+                                                                                     shape.value_dim)
+        with torch.inference_mode(False):  # normal tensors: written in place inside and outside it
+            # Page-major host copies of the pool's keys and values: [pages, layers, page_size, heads, dim].
+            self.keys, self.values = (
+                torch.empty((self.num_pages, shape.num_layers, ps, shape.num_kv_heads, dim),
+                            dtype=pool.dtype, pin_memory=cuda)
+                for dim in (shape.head_dim, shape.value_dim)
+            )
+            # Layer-major and page-major staging of one chunk of keys or values, allocated once: a copy
+            # allocates no device memory (no allocator stall or out-of-memory mid-run). Only the side
+            # stream uses them, so a copy never rewrites them while an earlier one still reads them.
+            self._staging = [torch.empty(staging, dtype=pool.dtype, device=pool.device) for _ in range(2)]
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
         self.stored_tokens = 0  # copied out to host memory
@@ -125,7 +132,7 @@ class HostTier:
             if count == 0:
                 return
             host = self._take(count // self.page_size)
-            self._copy_out(np.concatenate(values[::-1])[have : have + count], host)
+            self._copy(np.concatenate(values[::-1])[have : have + count], host, to_host=True)
             self.tree.insert_prefix(ids[: have + count], np.concatenate([handle.matched_indices(), host]))
             self.stored_tokens += count
         finally:
@@ -138,8 +145,29 @@ class HostTier:
             freed = self.tree.evict((count - len(self._free)) * ps)
             self.evicted_tokens += len(freed)
             self._free = np.sort(np.concatenate([self._free, freed[::ps]]))  # sorted: copies in long runs
+        return self._pop_free(count)
+
+    def _pop_free(self, count: int) -> np.ndarray:
         taken, self._free = self._free[:count], self._free[count:]
-        return (taken[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+        return (taken[:, None] + np.arange(self.page_size, dtype=np.int64)).reshape(-1)
+
+    # -- pages written from the host (cache_io) ------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def take_free_pages(self, count: int) -> np.ndarray:
+        """Slots of `count` free host pages (evicting nothing) for the host to write: waits first for the
+        copies in flight, so that none still reads or writes them."""
+        if count > len(self._free):
+            raise ValueError(f"{count} host pages asked for, {len(self._free)} free")
+        self.wait_for_copies()
+        return self._pop_free(count)
+
+    def release_pages(self, slots: np.ndarray) -> None:
+        """Returns whole host pages (all their slots) to the free list."""
+        firsts = np.asarray(slots, dtype=np.int64)[:: self.page_size]
+        self._free = np.sort(np.concatenate([self._free, firsts]))
 
     # -- host -> GPU ---------------------------------------------------------------------------------
     def extend_match(self, ids: np.ndarray, handle: MatchHandle) -> MatchHandle:
@@ -165,7 +193,7 @@ class HostTier:
                 return handle
             pages = manager.take_pages(count // ps)
             slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
-            self._copy_in(host_handle.matched_indices()[gpu_len : gpu_len + count], slots)
+            self._copy(slots, host_handle.matched_indices()[gpu_len : gpu_len + count], to_host=False)
             present, longer = manager.tree.insert_prefix(
                 ids[: gpu_len + count], np.concatenate([handle.matched_indices(), slots])
             )
@@ -191,34 +219,36 @@ class HostTier:
         ps = self.page_size
         return self._index((pages[:, None] * ps + np.arange(ps)).reshape(-1))
 
-    def _copy_out(self, gpu_slots: np.ndarray, host_slots: np.ndarray) -> None:
-        ps = self.page_size
-        host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
-        with self._side_stream():
-            for lo in range(0, len(host_pages), self._chunk_pages):
-                hi = lo + self._chunk_pages
-                index = self._slot_index(gpu_pages[lo:hi])
-                for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
-                    layers, _, heads, dim = pool_side.shape
-                    staged = pool_side.index_select(1, index).view(layers, -1, ps, heads, dim)
-                    staged = staged.transpose(0, 1).contiguous()
-                    for at, page, count in _runs(host_pages[lo:hi]):
-                        host_side[page : page + count].copy_(staged[at : at + count], non_blocking=True)
+    def _staged(self, pages: int, pool_side: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the staging buffers for `pages` pages of one side of the pool: layer-major
+        `[layers, pages, page_size, heads, dim]` (the pool's order) and page-major
+        `[pages, layers, page_size, heads, dim]` (the host buffers' order)."""
+        layers, _, heads, dim = pool_side.shape
+        size = layers * pages * self.page_size * heads * dim
+        layer_major = self._staging[0][:size].view(layers, pages, self.page_size, heads, dim)
+        page_major = self._staging[1][:size].view(pages, layers, self.page_size, heads, dim)
+        return layer_major, page_major
 
-    def _copy_in(self, host_slots: np.ndarray, gpu_slots: np.ndarray) -> None:
+    def _copy(self, gpu_slots: np.ndarray, host_slots: np.ndarray, *, to_host: bool) -> None:
+        """Copies whole pages between the pool and the host buffers (`to_host`: out), chunk by chunk
+        through the staging buffers, on the side stream."""
         ps = self.page_size
         host_pages, gpu_pages = host_slots[::ps] // ps, gpu_slots[::ps] // ps
         with self._side_stream():
             for lo in range(0, len(host_pages), self._chunk_pages):
                 hi = lo + self._chunk_pages
-                index = self._slot_index(gpu_pages[lo:hi])
+                index, runs = self._slot_index(gpu_pages[lo:hi]), _runs(host_pages[lo:hi])
                 for pool_side, host_side in ((self.pool.keys, self.keys), (self.pool.values, self.values)):
-                    shape = (len(host_pages[lo:hi]), *host_side.shape[1:])
-                    staged = torch.empty(shape, dtype=pool_side.dtype, device=pool_side.device)
-                    for at, page, count in _runs(host_pages[lo:hi]):
-                        staged[at : at + count].copy_(host_side[page : page + count], non_blocking=True)
-                    layers, _, heads, dim = pool_side.shape
-                    pool_side.index_copy_(1, index, staged.transpose(0, 1).reshape(layers, -1, heads, dim))
+                    layer_major, page_major = self._staged(len(index) // ps, pool_side)
+                    if to_host:
+                        torch.index_select(pool_side, 1, index, out=layer_major.flatten(1, 2))
+                        page_major.copy_(layer_major.transpose(0, 1))
+                    for at, page, count in runs:
+                        host, staged = host_side[page : page + count], page_major[at : at + count]
+                        (host if to_host else staged).copy_(staged if to_host else host, non_blocking=True)
+                    if not to_host:
+                        layer_major.copy_(page_major.transpose(0, 1))
+                        pool_side.index_copy_(1, index, layer_major.flatten(1, 2))
 
     @contextlib.contextmanager
     def _side_stream(self) -> Iterator[None]:
@@ -232,6 +262,11 @@ class HostTier:
         with torch.cuda.stream(self.stream):
             yield
         main.wait_stream(self.stream)
+
+    def wait_for_copies(self) -> None:
+        """Blocks until every copy issued so far has landed (before the host reads its buffers: a save)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     # -- maintenance ---------------------------------------------------------------------------------
     def reset(self) -> None:

@@ -210,13 +210,76 @@ def test_empty_cache_round_trip(tmp_path):
     fresh.check_integrity()
 
 
-def test_engines_with_a_host_tier_save_and_load_their_gpu_tree(tmp_path):
-    runner = _runner(max_total_tokens=64, host_cache_tokens=512)
-    outs = runner.run(_prompts(), GREEDY)
+def _union_tokens(engine) -> int:
+    """Tokens of every prefix either tier holds (each counted once)."""
+    merged = hf_radix.radix_tree.RadixPrefixCache(engine.page_size)
+    for tree in (engine.manager.tree, engine.host_tier.tree):
+        for node in tree.nodes():
+            path, n = [], node
+            while n.parent is not None:
+                path.append(n.key)
+                n = n.parent
+            ids = np.concatenate(path[::-1])
+            merged.insert_prefix(ids, np.arange(len(ids)))
+    return merged.size_info.total_size
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_save_holds_the_host_tier_too(tmp_path, page_size: int):
+    prompts = _prompts()
+    runner = _runner(max_total_tokens=64, host_cache_tokens=512, page_size=page_size)
+    outs = [runner.run([p], GREEDY)[0] for p in prompts]  # one at a time: earlier ones go to the host
+    engine = runner.engine
+    gpu_only = engine.manager.tree.size_info.total_size
+    assert engine.host_tier.stored_tokens > 0 and _union_tokens(engine) > gpu_only
     info = runner.save_cache(tmp_path / "c.safetensors")
-    assert info["tokens"] == runner.engine.manager.tree.size_info.total_size
-    fresh = _runner(max_total_tokens=64, host_cache_tokens=512)
+    assert info["tokens"] == _union_tokens(engine)
+    runner.check_integrity()
+
+    fresh = _runner(page_size=page_size)  # room for all of it on the GPU
     assert fresh.load_cache(tmp_path / "c.safetensors")["tokens"] == info["tokens"]
     fresh.check_integrity()
-    assert [o.token_ids for o in fresh.run(_prompts(), GREEDY)] == [o.token_ids for o in outs]
+    again = [fresh.run([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.cached_tokens for o in again] == [(len(p) - 1) // page_size * page_size for p in prompts]
     fresh.check_integrity()
+
+    # a fresh engine like the first: the GPU takes the most recently used prefixes, the host tier all
+    small = _runner(max_total_tokens=64, host_cache_tokens=512, page_size=page_size)
+    loaded = small.load_cache(tmp_path / "c.safetensors")
+    small.check_integrity()
+    assert gpu_only <= loaded["tokens"] <= 64 and loaded["host_tokens"] == info["tokens"]
+    last = prompts[-1]
+    assert small.engine.manager.gpu_cached_len(last) == (len(last) - 1) // page_size * page_size
+    again = [small.run([p], GREEDY)[0] for p in prompts]
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    assert [o.cached_tokens for o in again] == [(len(p) - 1) // page_size * page_size for p in prompts]
+    assert sum(o.host_cached_tokens for o in again) > 0
+    small.check_integrity()
+
+
+def test_a_host_tier_smaller_than_the_file_takes_the_most_recent_paths(tmp_path):
+    runner, outs, path = _saved(tmp_path)
+    target = _runner(max_total_tokens=64, host_cache_tokens=48)
+    loaded = target.load_cache(path)
+    target.check_integrity()
+    assert loaded["tokens"] == 64 and 33 <= loaded["host_tokens"] <= 48 < loaded["saved_tokens"]
+    assert [o.token_ids for o in target.run(_prompts(), GREEDY)] == [o.token_ids for o in outs]
+    target.check_integrity()
+
+
+@pytest.mark.parametrize("how", ["data", "truncated"])
+def test_a_damaged_file_leaves_the_host_tier_as_it_was(tmp_path, how: str):
+    _, _, path = _saved(tmp_path)
+    _damage(path, how)
+    target = _runner(max_total_tokens=64, host_cache_tokens=512)
+    for prompt in _prompts(seed=5):
+        target.run([prompt], GREEDY)
+    tier = target.engine.host_tier
+    before = _snapshot(target), tier.num_free_pages, tier.tree.size_info
+    with pytest.raises(CacheFileError):
+        target.load_cache(path)
+    assert (_snapshot(target), tier.num_free_pages, tier.tree.size_info) == before
+    target.check_integrity()
+
+

@@ -14,6 +14,7 @@ from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.cache_manager import CacheManager
 from hf_radix.host_tier import HostTier
 from hf_radix.kv_pool import KVPool, KVShape
+from hf_radix.radix_tree import IntegrityError
 
 NEW = 4
 GREEDY = SamplingParams(max_new_tokens=NEW)
@@ -100,12 +101,13 @@ def test_options_are_validated():
 
 
 # ------------------------------------------------------------------------- manager-level (no model)
-def _two_tier(gpu_pages: int, host_tokens: int, page_size: int = 1, chunk_pages: int = 3) -> CacheManager:
-    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2)
+def _two_tier(
+    gpu_pages: int, host_tokens: int, page_size: int = 1, chunk_pages: int = 3, v_head_dim: int | None = None
+) -> CacheManager:
+    shape = KVShape(num_layers=2, num_kv_heads=1, head_dim=2, v_head_dim=v_head_dim)
     pool = KVPool(shape, gpu_pages, page_size, torch.float32, "cpu")
     manager = CacheManager(gpu_pages, page_size)
-    tier = HostTier(pool, host_tokens)
-    tier._chunk_pages = chunk_pages  # copies go through the staging buffer in several chunks
+    tier = HostTier(pool, host_tokens, staging_pages=chunk_pages)  # copies go in several chunks
     tier.attach(manager)
     return manager
 
@@ -157,8 +159,9 @@ def _host_len(manager: CacheManager, ids) -> int:
     return manager.host_tier.tree.match_prefix(np.asarray(ids)).cached_len
 
 
-def test_host_tier_eviction_is_lru():
-    manager = _two_tier(gpu_pages=8, host_tokens=16)
+@pytest.mark.parametrize("v_head_dim", [None, 3])
+def test_host_tier_eviction_is_lru(v_head_dim):
+    manager = _two_tier(gpu_pages=8, host_tokens=16, v_head_dim=v_head_dim)
     a, b, c, d = ([k] * 8 for k in (10, 20, 30, 40))
     for ids in (a, b, c):  # each evicts the previous one to the host tier
         _serve(manager, ids)
@@ -247,3 +250,56 @@ def _run_ops(manager: CacheManager, ops) -> None:
         manager.cache_req(row, row_ids, len(row_ids), finished=True)
     manager.check_integrity()
     assert manager.tree.size_info.protected_size == 0
+
+
+def _populated_two_tier() -> CacheManager:
+    manager = _two_tier(gpu_pages=3, host_tokens=16, page_size=2)
+    for k in (10, 20, 30):
+        _serve(manager, [k] * 6)  # each evicts the one before it to the host tier
+    manager.check_integrity()
+    assert manager.host_tier.tree.size_info.total_size == 12
+    return manager
+
+
+def _plant_double(tier: HostTier) -> None:
+    tier._free[0] = tier.tree.slot_indices()[0]
+
+
+def _plant_lock(tier: HostTier) -> None:
+    tier.tree.lock(tier.tree.match_prefix(np.array([10] * 4)))
+
+
+def _plant_stale_lru(tier: HostTier) -> None:
+    tier.tree._heap.clear()  # the LRU order no longer knows an evictable leaf
+
+
+def _plant_out_of_range(tier: HostTier) -> None:
+    leaf = next(n for n in tier.tree.nodes() if not n.children)
+    leaf.value = leaf.value + tier.num_pages * tier.page_size
+
+
+@pytest.mark.parametrize(
+    "plant,message",
+    [
+        (_plant_double, "free and held"),
+        (lambda tier: setattr(tier, "_free", tier._free[1:]), "host page leak"),
+        (_plant_lock, "locked between calls"),
+        (_plant_stale_lru, "eviction heap"),
+        (_plant_out_of_range, "out of range"),
+    ],
+    ids=["free-and-held", "leak", "lock", "lru", "range"],
+)
+def test_integrity_catches_a_broken_host_tier(plant, message):
+    manager = _populated_two_tier()
+    plant(manager.host_tier)
+    with pytest.raises(IntegrityError, match=message):
+        manager.check_integrity()  # the manager's check covers the host tier
+
+
+def test_a_tier_built_under_inference_mode_serves_outside_it():
+    prompts = _conversations(count=3)
+    with torch.inference_mode():
+        runner = RadixBatchRunner(fresh_model("llama"), max_total_tokens=56, host_cache_tokens=256,
+                                  attn_backend="torch")
+    outs = _revisit(runner, prompts)
+    assert runner.engine.host_tier.restored_tokens > 0 and all(o.error is None for o in outs)
