@@ -165,7 +165,7 @@ def sample_rows_torch(
 ) -> torch.Tensor:
     """`triton_sampling.sample_rows` in torch ops (with a sort); does not advance `steps`."""
     greedy = inv_temperature == 0.0
-    x = logits.float() * torch.where(greedy, 1.0, inv_temperature)[:, None]
+    x = logits.float() * inv_temperature.masked_fill(greedy, 1.0)[:, None]
     scores = x + gumbel_noise(row_keys(seed_keys, steps), column_keys(x.shape[-1], x.device))
     sampled = scores.masked_fill_(x < kept_threshold(x, top_k, top_p), float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)

@@ -41,28 +41,47 @@ def _mix32(x):
 
 
 @triton.jit
-def _order_key(x):
-    """uint32 keys ordered as the floats `x` are (-0 and +0 share a key)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    sign = tl.full(bits.shape, 0x80000000, tl.uint32)
-    key = tl.where((bits & sign) != 0, ~bits, bits | sign)
-    return tl.where(x == 0.0, sign, key)
+def _gumbel(row_key, offs):
+    """`hf_radix.sampling.gumbel_noise` of one row at columns `offs` (three `mix32` rounds inline)."""
+    x = offs.to(tl.uint32) ^ _COLUMN_SALT
+    for _ in tl.static_range(2):  # the column's key
+        x = x ^ (x >> 16)
+        x = x * _MIX_0
+        x = x ^ (x >> 15)
+        x = x * _MIX_1
+        x = x ^ (x >> 15)
+    x = x ^ row_key
+    x = x ^ (x >> 16)
+    x = x * _MIX_0
+    x = x ^ (x >> 15)
+    x = x * _MIX_1
+    x = x ^ (x >> 15)
+    uniform = ((x >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
+    return -tl.log(-tl.log(uniform))
 
 
 @triton.jit
-def _scaled(row_ptr, offs, n_cols, scale):
+def _load(row_ptr, offs, n_cols, scale):
+    """`x = logit * scale` at `offs` (-inf past the row), its order key, and which lanes are in the row.
+
+    Keys are uint32 ordered as the floats are (-0 and +0 share one).
+    """
     valid = offs < n_cols
     x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * scale
-    return x, valid
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = tl.full(bits.shape, 0x80000000, tl.uint32)
+    key = tl.where(x == 0.0, sign, tl.where((bits & sign) != 0, ~bits, bits | sign))
+    return x, key, valid
 
 
 @triton.jit
 def _row_max(row_ptr, n_cols, scale, BLOCK: tl.constexpr):
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, n_cols, BLOCK):
-        x, _ = _scaled(row_ptr, start + tl.arange(0, BLOCK), n_cols, scale)
-        best = tl.maximum(best, x)
-    return tl.max(best, axis=0)
+        offs = start + tl.arange(0, BLOCK)
+        logit = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf"))
+        best = tl.maximum(best, logit.to(tl.float32))
+    return tl.max(best, axis=0) * scale  # max(logit) * scale is max(logit * scale): scale > 0
 
 
 @triton.jit
@@ -82,13 +101,9 @@ def _threshold_key(row_ptr, n_cols, scale, floor, m, target, MASS: tl.constexpr,
         candidates = prefix + (digits.to(tl.uint32) << shift)
         partial = tl.zeros([BLOCK, RADIX], tl.float32)  # summed across lanes once, after the pass
         for start in range(0, n_cols, BLOCK):
-            x, valid = _scaled(row_ptr, start + tl.arange(0, BLOCK), n_cols, scale)
-            key = _order_key(x)
+            x, key, valid = _load(row_ptr, start + tl.arange(0, BLOCK), n_cols, scale)
             kept = valid & (key >= floor)
-            if MASS:
-                weight = tl.where(kept, tl.exp(x - m), 0.0)
-            else:
-                weight = kept.to(tl.float32)
+            weight = tl.where(kept, tl.exp(x - m), 0.0) if MASS else kept.to(tl.float32)
             above = key[:, None] >= candidates[None, :]
             partial += tl.where(above, weight[:, None], 0.0)
         reached = tl.sum(partial, axis=0)
@@ -101,19 +116,29 @@ def _threshold_key(row_ptr, n_cols, scale, floor, m, target, MASS: tl.constexpr,
 
 
 @triton.jit
+def _kept_floor(row_ptr, n_cols, scale, top_k, top_p, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """The order key of the row's least kept `x` under top-k then top-p (0: every token is kept)."""
+    floor = tl.full((), 0, tl.uint32)
+    m = _row_max(row_ptr, n_cols, scale, BLOCK)
+    if top_k < n_cols:
+        floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_k.to(tl.float32), False, BLOCK,
+                               DIGIT_BITS)
+    if top_p < 1.0:
+        floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_p, True, BLOCK, DIGIT_BITS)
+    return floor
+
+
+@triton.jit
 def _argmax(row_ptr, n_cols, scale, floor, row_key, NOISE: tl.constexpr, BLOCK: tl.constexpr):
     """The lowest index of the largest `x + g` (`x` alone without noise) among keys >= floor."""
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int32)
     for start in range(0, n_cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        x, valid = _scaled(row_ptr, offs, n_cols, scale)
+        x, key, valid = _load(row_ptr, offs, n_cols, scale)
         score = x
         if NOISE:
-            bits = _mix32(row_key ^ _mix32(_mix32(offs.to(tl.uint32) ^ _COLUMN_SALT)))
-            uniform = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
-            score = x + -tl.log(-tl.log(uniform))
-            score = tl.where(valid & (_order_key(x) >= floor), score, float("-inf"))
+            score = tl.where(valid & (key >= floor), x + _gumbel(row_key, offs), float("-inf"))
         value, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         better = value > best
         best = tl.where(better, value, best)
@@ -130,15 +155,8 @@ def _sample_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, Key0,
     if scale == 0.0:
         token = _argmax(row_ptr, n_cols, 1.0, 0, 0, False, BLOCK)
     else:
-        top_k = tl.load(TopK + row)
-        top_p = tl.load(TopP + row)
-        floor = tl.full((), 0, tl.uint32)
-        m = _row_max(row_ptr, n_cols, scale, BLOCK)
-        if top_k < n_cols:
-            floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_k.to(tl.float32), False, BLOCK,
-                                   DIGIT_BITS)
-        if top_p < 1.0:
-            floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_p, True, BLOCK, DIGIT_BITS)
+        top_k, top_p = tl.load(TopK + row), tl.load(TopP + row)
+        floor = _kept_floor(row_ptr, n_cols, scale, top_k, top_p, BLOCK, DIGIT_BITS)
         step = tl.load(Steps + row)
         key0 = tl.load(Key0 + row).to(tl.uint32)
         key1 = tl.load(Key1 + row).to(tl.uint32)
