@@ -259,13 +259,13 @@ def test_filtered_frequencies_follow_the_renormalized_distribution():
 def _interp_kernel_matches_torch() -> dict[str, Any]:
     from hf_radix.kernels.triton_sampling import sample_rows
 
-    case = rule_case(rows=40, vocab=300, seed=2, greedy_every=5)
+    case = rule_case(rows=24, vocab=200, seed=2, greedy_every=5)
     mismatched, steps_ok = [], True
     for dtype in (torch.float32, torch.float16):  # fp16: the kernel reads any float dtype
         case["logits"] = case["logits"].to(dtype)
         want = sample_rows_torch(**case)
         before = case["steps"].clone()
-        got = sample_rows(**case, block=128)  # 3 blocks per row, the last partial
+        got = sample_rows(**case, block=128)  # 2 blocks per row, the last partial
         sampled = case["inv_temperature"] != 0
         steps_ok &= torch.equal(case["steps"], before + sampled)
         mismatched += [(str(dtype), r) for r in (got != want).nonzero().flatten().tolist()]
@@ -273,17 +273,17 @@ def _interp_kernel_matches_torch() -> dict[str, Any]:
 
 
 def _interp_kernel_kept_set_is_the_rule() -> dict[str, Any]:
-    case = rule_case(rows=36, vocab=150, seed=3)
-    logits = case["logits"]
-    x = logits * case["inv_temperature"][:, None]
     report = {}
-    for digit_bits in (4, 2):
-        floors = torch.empty(len(logits), dtype=torch.int64)
-        _floor_kernel[(len(logits),)](logits, logits.stride(0), logits.shape[1], case["inv_temperature"],
-                                      case["top_k"], case["top_p"], floors, BLOCK=64, DIGIT_BITS=digit_bits)
+    for digit_bits, rows in ((4, 30), (2, 8)):
+        case = rule_case(rows=rows, vocab=64, seed=3)
+        logits = case["logits"]
+        x = logits * case["inv_temperature"][:, None]
+        floors = torch.empty(rows, dtype=torch.int64)
+        _floor_kernel[(rows,)](logits, logits.stride(0), logits.shape[1], case["inv_temperature"],
+                               case["top_k"], case["top_p"], floors, BLOCK=32, DIGIT_BITS=digit_bits)
         wrong, checked = kept_mismatches(x, _order_keys(x) >= floors[:, None], case)
-        report[digit_bits] = {"wrong": wrong, "checked": checked}
-    return {"ok": all(not r["wrong"] and r["checked"] >= 24 for r in report.values()), **report}
+        report[digit_bits] = {"wrong": wrong, "checked": checked, "rows": rows}
+    return {"ok": all(not r["wrong"] and r["checked"] >= 0.6 * r["rows"] for r in report.values()), **report}
 
 
 def _order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -295,7 +295,7 @@ def _order_keys(x: torch.Tensor) -> torch.Tensor:
 def _interp_kernel_frequencies() -> dict[str, Any]:
     from hf_radix.kernels.triton_sampling import sample_rows
 
-    draws = 200
+    draws = 120
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(draws, -1).contiguous()
     probs = torch.tensor([2.0, 1.0, 0.5]).exp()
     probs /= probs.sum()
