@@ -171,17 +171,20 @@ def sample_rows_torch(
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """A CUDA tensor with triton importable, or any under the Triton interpreter."""
-    from .kernels import interpreting
-
-    if not (tensor.is_cuda or interpreting()):
-        return False
+@functools.cache
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def _kernel_runs_on(tensor: torch.Tensor) -> bool:
+    """A CUDA tensor with triton importable, or any under the Triton interpreter."""
+    from .kernels import interpreting
+
+    return (tensor.is_cuda or interpreting()) and _triton_importable()
 
 
 @dataclass
@@ -201,9 +204,10 @@ class _StagedBatch:
 class Sampler:
     """Next tokens of a batch: greedy rows take the argmax, the others sample with counter-based noise.
 
-    `sample` restages per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must
-    be called when a request ends (its uid may then be reused). A request without a seed draws one from
-    torch's global generator when it first samples.
+    One launch per step on a GPU (the Triton kernel; an all-greedy batch: one argmax). `sample` restages
+    per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must be called when a
+    request ends (its uid may then be reused). A request without a seed draws one from torch's global
+    generator when it first samples.
     """
 
     def __init__(self, device: torch.device):
