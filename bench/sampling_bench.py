@@ -103,7 +103,7 @@ def _tuning(rows: int, args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=str, default="64,256", help="comma-separated batch sizes")
+    ap.add_argument("--rows", type=str, default="8,64,256", help="comma-separated batch sizes")
     ap.add_argument("--vocab", type=int, default=128_256)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=0.7)

@@ -181,8 +181,8 @@ def sample_rows(
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; one launch; advances sampled `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
-    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `digit_bits` (2 or 4: passes
-    per threshold 16 or 8), `block` and `num_warps` tune the kernel.
+    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `digit_bits` (a divisor of 32;
+    4: 8 passes per threshold, 16 candidates each), `block` and `num_warps` tune the kernel.
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
