@@ -93,7 +93,7 @@ def _tuning(rows: int, args: argparse.Namespace) -> list[dict]:
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i) for i in range(rows)]
     staged = _kernel_args(_staged_sampler(logits, params)[0])
     out = []
-    for digit_bits, block, warps in ((4, 1024, 16), (4, 1024, 8), (4, 2048, 16), (2, 1024, 8), (2, 2048, 16)):
+    for digit_bits, block, warps in ((4, 512, 8), (4, 512, 4), (4, 1024, 16), (2, 1024, 8), (2, 2048, 16)):
         def fn(digit_bits=digit_bits, block=block, warps=warps):
             return sample_rows(logits, *staged, digit_bits=digit_bits, block=block, num_warps=warps)
 

@@ -175,14 +175,15 @@ def sample_rows(
     steps: torch.Tensor,
     *,
     digit_bits: int = 4,
-    block: int = 1024,
-    num_warps: int = 16,
+    block: int = 512,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; one launch; advances sampled `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
     `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `digit_bits` (a divisor of 32;
-    4: 8 passes per threshold, 16 candidates each), `block` and `num_warps` tune the kernel.
+    4: 8 passes per threshold, 16 candidates each), `block` and `num_warps` tune the kernel (the
+    defaults: 79 registers for sm_90, three programs per SM, so 256 rows run in one wave on an H200).
     """
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
