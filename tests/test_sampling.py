@@ -377,6 +377,29 @@ def test_kernel_matches_torch_at_full_vocabulary_on_gpu():
     assert mismatched <= 1, mismatched
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_step_is_one_kernel_launch_on_gpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = 48
+    logits = torch.randn(rows, 4096, device="cuda")
+    params = [SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=i)
+              for i in range(rows)]
+    sampler = Sampler(logits.device)
+    first = sampler.sample(logits, params, list(range(rows)))  # stages the batch
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        second = sampler.sample(logits, params, list(range(rows)))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    greedy = torch.tensor([i % 3 == 0 for i in range(rows)], device="cuda")
+    assert torch.equal(first[greedy], logits.argmax(-1)[greedy])
+    assert torch.equal(second[greedy], first[greedy])
+    assert not torch.equal(first[~greedy], second[~greedy])  # the next step's noise
+
+
 if __name__ == "__main__" and "--interp" in sys.argv:
     import triton
     import triton.language as tl
