@@ -315,7 +315,7 @@ def _interp_sampler_on_the_kernel() -> dict[str, Any]:
     logits_of = {uid: _logits(4, seed=uid) for uid in range(4)}
     logits_of[9] = logits_of[0]
     mates = [(1, SamplingParams(temperature=1.3, seed=3)), (2, SamplingParams()),
-             (3, SamplingParams(temperature=1.0, top_p=0.5))]
+             (3, SamplingParams(temperature=1.0, top_p=0.5, seed=11))]
     batches = [[(9, params)], [*mates, (9, params)], [(9, params), mates[0]],
                [mates[2], (9, params), mates[1]]]
     alone = _run(Sampler("cpu"), logits_of, [[(0, params)]] * 4)[0]
