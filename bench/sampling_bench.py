@@ -1,9 +1,13 @@
-"""GPU micro-benchmark of one sampling step: `Sampler.sample` against a plain argmax (greedy).
+"""GPU micro-benchmark of one sampling step: `Sampler.sample` (the Triton kernel) against a plain argmax.
 
-`--rows` requests, each with its own seed (temperature, top-p), over random `[rows, vocab]` logits; the
-batch is staged once, then `--steps` steps are timed with CUDA events. Also reports the aten ops per step
-(the kernel launches; the same for any batch). Run `python bench/sampling_bench.py [--json PATH]` on a GPU;
-compare `sampled_ms` with a decode step's time (the goal: seeded sampling within 10% of a greedy step).
+For each `--rows`, requests each with its own seed (temperature, top-p, optionally top-k) over random
+bf16 `[rows, vocab]` logits; the batch is staged once, then `--steps` steps are timed with CUDA events.
+Reported per batch size: `greedy_ms` (argmax), `sampled_ms` (the kernel, every row seeded), `mixed_ms`
+(every other row greedy), `top_k_ms` (also top-k 50, transformers' sampling default), `torch_ms` (the
+sort-based torch path the kernel replaced, kept as the CPU fallback), the CUDA kernels launched per step
+(`kernels_per_step`, from the profiler) and `sampled_ms` as a share of a greedy decode step
+(`--decode-step-ms`: the goal is within 10%). `tuning` times the kernel's configurations at the largest
+batch. Run `python bench/sampling_bench.py --json PATH` on a GPU.
 """
 
 from __future__ import annotations
@@ -14,21 +18,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_radix.sampling import Sampler, SamplingParams  # noqa: E402
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
+from hf_radix.kernels.triton_sampling import sample_rows  # noqa: E402
+from hf_radix.sampling import Sampler, SamplingParams, sample_rows_torch  # noqa: E402
 
 
 def _time_ms(fn, steps: int) -> float:
@@ -44,28 +39,86 @@ def _time_ms(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
+def _kernels_per_step(fn) -> int:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def _staged_sampler(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[Sampler, object]:
+    """A sampler with `params` staged (one call made), and its step."""
+    sampler, uids = Sampler(logits.device), list(range(len(params)))
+    sampler.sample(logits, params, uids)
+    return sampler, lambda: sampler.sample(logits, params, uids)
+
+
+def _kernel_args(sampler: Sampler) -> tuple[torch.Tensor, ...]:
+    b = sampler._staged
+    return b.inv_temperature, b.top_k, b.top_p, b.seed_keys, b.steps
+
+
+def _one_size(rows: int, args: argparse.Namespace) -> dict:
+    logits = torch.randn(rows, args.vocab, device="cuda", dtype=torch.bfloat16) * 4
+
+    def params(top_k: int = -1) -> list[SamplingParams]:
+        return [SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=top_k, seed=i)
+                for i in range(rows)]
+
+    sampler, step = _staged_sampler(logits, params())
+    staged = _kernel_args(sampler)
+    mixed = [p if i % 2 else SamplingParams() for i, p in enumerate(params())]
+    result = {
+        "rows": rows,
+        "greedy_ms": _time_ms(lambda: logits.argmax(-1), args.steps),
+        "sampled_ms": _time_ms(step, args.steps),
+        "mixed_ms": _time_ms(_staged_sampler(logits, mixed)[1], args.steps),
+        "top_k_ms": _time_ms(_staged_sampler(logits, params(top_k=50))[1], args.steps),
+        "torch_ms": _time_ms(lambda: sample_rows_torch(logits, *staged), max(3, args.steps // 10)),
+        "kernels_per_step": _kernels_per_step(step),
+        "greedy_kernels_per_step": _kernels_per_step(lambda: logits.argmax(-1)),
+    }
+    want = sample_rows_torch(logits, *staged)  # before the kernel advances the steps
+    got = sample_rows(logits, *staged)
+    result["torch_disagreeing_rows"] = int((want != got).sum())  # near the nucleus boundary only: ~0
+    result["distinct_tokens"] = int(got.unique().numel())
+    result["sampled_share_of_decode_step"] = result["sampled_ms"] / args.decode_step_ms
+    return result
+
+
+def _tuning(rows: int, args: argparse.Namespace) -> list[dict]:
+    logits = torch.randn(rows, args.vocab, device="cuda", dtype=torch.bfloat16) * 4
+    params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=i) for i in range(rows)]
+    staged = _kernel_args(_staged_sampler(logits, params)[0])
+    out = []
+    for digit_bits, block, warps in ((4, 512, 8), (4, 512, 4), (4, 1024, 16), (2, 1024, 8), (2, 2048, 16)):
+        def fn(digit_bits=digit_bits, block=block, warps=warps):
+            return sample_rows(logits, *staged, digit_bits=digit_bits, block=block, num_warps=warps)
+
+        out.append(dict(digit_bits=digit_bits, block=block, num_warps=warps, ms=_time_ms(fn, args.steps)))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--rows", type=str, default="8,64,256", help="comma-separated batch sizes")
     ap.add_argument("--vocab", type=int, default=128_256)
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--decode-step-ms", type=float, default=20.0, help="a greedy decode step (gsp-8x32)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    logits = torch.randn(args.rows, args.vocab, device="cuda", dtype=torch.bfloat16) * 4
-    params = [SamplingParams(temperature=0.7, top_p=args.top_p, seed=i) for i in range(args.rows)]
-    uids = list(range(args.rows))
-    sampler = Sampler(logits.device)
-    sampler.sample(logits, params, uids)
-    with _CountOps() as ops:
-        sampler.sample(logits, params, uids)
+    sizes = [int(r) for r in args.rows.split(",")]
     result = {
-        "rows": args.rows,
         "vocab": args.vocab,
+        "temperature": args.temperature,
         "top_p": args.top_p,
-        "greedy_ms": _time_ms(lambda: logits.argmax(-1), args.steps),
-        "sampled_ms": _time_ms(lambda: sampler.sample(logits, params, uids), args.steps),
-        "ops_per_step": ops.count,
+        "decode_step_ms": args.decode_step_ms,
+        "sizes": [_one_size(rows, args) for rows in sizes],
+        "tuning": _tuning(max(sizes), args),
         "device": torch.cuda.get_device_name(),
         "command": "python bench/sampling_bench.py " + " ".join(sys.argv[1:]),
     }

@@ -2,18 +2,31 @@
 
 The sampler's random numbers are counter-based: the noise of vocabulary entry `j` at a request's `n`-th
 sampled token is a hash of (the request's seed, `n`, `j`). So a seeded request samples the same tokens
-whatever its batch-mates and their order, and every row, seeded or not, is drawn by the same few batched
-ops: a step launches a fixed number of kernels whatever the batch. Each row's parameters are staged into
-device buffers once per change of the batch's requests, never per step.
+whatever its batch-mates and their order. A step is one Triton launch on a GPU
+(`hf_radix.kernels.triton_sampling`, no sort of the vocabulary) or a fixed handful of torch ops elsewhere
+(`sample_rows_torch`, the same rule and the same noise), whatever the batch. Each row's parameters are
+staged into device buffers once per change of the batch's requests, never per step.
+
+The rule, per sampled row, on `x = logits.float() * (1 / temperature)`: top-k keeps the tokens whose `x`
+is at least the k-th largest (ties at it all kept, as HF's `TopKLogitsWarper`); top-p then keeps, of
+those, the tokens whose `x` is at least `v`, the largest value whose tokens at or above it hold at least
+`top_p` of the kept mass: HF's smallest set of most likely tokens reaching `top_p`, except that tokens
+tied with the last one are all kept (HF keeps an arbitrary part of them). The token is the argmax of
+`x + g` over the kept tokens, `g` the counter-based Gumbel noise (lowest index on ties): a sample of the
+softmax of `x` over them (noise from 24-bit uniforms: tokens ~20 nats below the best are never drawn).
+Temperature 0 (or top_k 1) is greedy: the argmax of the logits.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .page_table import to_device
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,8 @@ class SamplingParams:
 _MASK32 = 0xFFFFFFFF
 # Multipliers below 2**31: a 32-bit value times one fits int64 exactly, on every device.
 _MIX_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_COLUMN_SALT = 0x27D4EB2F
+_TOP_K_OFF = np.iinfo(np.int64).max
 
 
 def mix32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
@@ -102,62 +117,97 @@ def mix32(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return x ^ (x >> 15)
 
 
+@functools.lru_cache(maxsize=4)
+def column_keys(vocab: int, device: torch.device) -> torch.Tensor:
+    """`[vocab]` int64: each vocabulary entry's 32-bit key (made once per vocabulary size and device)."""
+    with torch.inference_mode(False):
+        return mix32(mix32(torch.arange(vocab, dtype=torch.int64, device=device) ^ _COLUMN_SALT))
+
+
 def gumbel_noise(row_keys: torch.Tensor, column_keys: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise `[rows, vocab]` from per-row and per-column 32-bit keys (counter-based)."""
+    """Standard Gumbel noise `[rows, vocab]` fp32 from per-row and per-column 32-bit keys (counter-based)."""
     bits = mix32(row_keys[:, None] ^ column_keys[None, :])
     uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24  # in (0, 1), exact in fp32
     return uniform.log_().neg_().log_().neg_()
 
 
 def row_keys(seed_keys: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Each row's key at its current step, from the two halves of its seed `[rows, 2]` (mixed at staging)."""
-    return mix32(mix32(seed_keys[:, 0] ^ steps) ^ seed_keys[:, 1])
+    """Each row's key at its current step, from the two halves of its seed `[2, rows]` (mixed at staging)."""
+    return mix32(mix32(seed_keys[0] ^ steps) ^ seed_keys[1])
 
 
 def seed_keys(seeds: Sequence[int]) -> np.ndarray:
-    """`[rows, 2]` int64: each 64-bit seed's halves, hashed (distinct seeds give unrelated streams)."""
+    """`[2, rows]` int64: each 64-bit seed's halves, hashed (distinct seeds give unrelated streams)."""
     values = np.array([s & ((1 << 64) - 1) for s in seeds], dtype=np.uint64)
     low = (values & np.uint64(_MASK32)).astype(np.int64)
     high = (values >> np.uint64(32)).astype(np.int64)
-    return np.stack([mix32(low ^ 0x5BD1E995), mix32(high ^ 0x1B873593)], axis=1)
+    return np.stack([mix32(low ^ 0x5BD1E995), mix32(high ^ 0x1B873593)])
 
 
-def _filter_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, ranks: torch.Tensor
+def kept_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`[rows, 1]`: each row keeps the tokens with `x >=` it (the module's top-k then top-p rule)."""
+    ordered = x.sort(dim=-1, descending=True).values
+    vocab = x.shape[-1]
+    kth = ordered.gather(1, (top_k.clamp(max=vocab) - 1)[:, None])
+    mass = (ordered - ordered[:, :1]).exp_().masked_fill_(ordered < kth, 0.0).cumsum_(-1)
+    last = (mass < top_p[:, None] * mass[:, -1:]).sum(-1, keepdim=True).clamp_(max=vocab - 1)
+    nucleus = ordered.gather(1, last)
+    return torch.where(top_p[:, None] < 1.0, torch.maximum(kth, nucleus), kth)
+
+
+def sample_rows_torch(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed_keys: torch.Tensor,
+    steps: torch.Tensor,
 ) -> torch.Tensor:
-    """Masks logits outside each row's top-k and nucleus (top-p), both `[rows, 1]`; rows are independent."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    drop = ranks >= top_k
-    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-    before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-    drop |= before >= top_p
-    drop[:, 0].fill_(False)
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    """`triton_sampling.sample_rows` in torch ops (with a sort); does not advance `steps`."""
+    greedy = inv_temperature == 0.0
+    x = logits.float() * inv_temperature.masked_fill(greedy, 1.0)[:, None]
+    scores = x + gumbel_noise(row_keys(seed_keys, steps), column_keys(x.shape[-1], x.device))
+    sampled = scores.masked_fill_(x < kept_threshold(x, top_k, top_p), float("-inf")).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _kernel_runs_on(tensor: torch.Tensor) -> bool:
+    """A CUDA tensor with triton importable, or any under the Triton interpreter."""
+    from .kernels import interpreting
+
+    return (tensor.is_cuda or interpreting()) and _triton_importable()
 
 
 @dataclass
 class _StagedBatch:
-    """Device copies of the parameters of one batch's sampled (non-greedy) rows."""
+    """Device copies of the parameters of one batch's rows (greedy rows: inverse temperature 0)."""
 
     uids: tuple[int, ...]
     sampled_uids: tuple[int, ...] = ()  # none: an all-greedy batch (the tensors below are then None)
-    rows: torch.Tensor | None = None  # [S] row of each sampled row in the batch
-    inv_temperature: torch.Tensor | None = None  # [S, 1]
-    top_k: torch.Tensor | None = None  # [S, 1]; int64 max where disabled
-    top_p: torch.Tensor | None = None  # [S, 1]
-    seed_keys: torch.Tensor | None = None  # [S, 2]
-    steps: torch.Tensor | None = None  # [S] tokens each row has sampled so far; advanced on the device
-    filters: bool = False  # some row uses top-k or top-p
+    inv_temperature: torch.Tensor | None = None  # [B] fp32
+    top_p: torch.Tensor | None = None  # [B] fp32
+    top_k: torch.Tensor | None = None  # [B] int64; int64 max where disabled
+    seed_keys: torch.Tensor | None = None  # [2, B] int64
+    steps: torch.Tensor | None = None  # [B] tokens each row has sampled so far; advanced on the device
     calls: int = 0  # sample calls since staging
 
 
 class Sampler:
     """Next tokens of a batch: greedy rows take the argmax, the others sample with counter-based noise.
 
-    `sample` restages per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must
-    be called when a request ends (its uid may then be reused). A request without a seed draws one from
-    torch's global generator when it first samples.
+    One launch per step on a GPU (the Triton kernel; an all-greedy batch: one argmax). `sample` restages
+    per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must be called when a
+    request ends (its uid may then be reused). A request without a seed draws one from torch's global
+    generator when it first samples.
     """
 
     def __init__(self, device: torch.device):
@@ -165,8 +215,6 @@ class Sampler:
         self._seeds: dict[int, int] = {}  # uid -> seed
         self._sampled: dict[int, int] = {}  # uid -> tokens sampled before the staged batch's calls
         self._staged: _StagedBatch | None = None
-        self._column_keys: torch.Tensor | None = None
-        self._ranks: torch.Tensor | None = None
 
     def sample(
         self, logits: torch.Tensor, params: Sequence[SamplingParams], uids: Sequence[int]
@@ -177,17 +225,16 @@ class Sampler:
         staged = self._staged
         if staged is None or staged.uids != tuple(uids):
             staged = self._stage(params, tuple(uids))
-        tokens = logits.argmax(dim=-1)
         if not staged.sampled_uids:
-            return tokens
-        vocab = logits.shape[-1]
-        column_keys, ranks = self._vocab_constants(vocab)
-        scaled = logits.index_select(0, staged.rows).float().mul_(staged.inv_temperature)
-        if staged.filters:
-            scaled = _filter_top_k_top_p(scaled, staged.top_k, staged.top_p, ranks)
-        noise = gumbel_noise(row_keys(staged.seed_keys, staged.steps), column_keys)
-        tokens.index_copy_(0, staged.rows, scaled.add_(noise).argmax(dim=-1))
-        staged.steps.add_(1)
+            return logits.argmax(dim=-1)
+        args = (staged.inv_temperature, staged.top_k, staged.top_p, staged.seed_keys, staged.steps)
+        if _kernel_runs_on(logits):
+            from .kernels.triton_sampling import sample_rows
+
+            tokens = sample_rows(logits, *args)  # advances staged.steps
+        else:
+            tokens = sample_rows_torch(logits, *args)
+            staged.steps = staged.steps + 1
         staged.calls += 1
         return tokens
 
@@ -215,32 +262,18 @@ class Sampler:
             if uids[i] not in self._seeds:
                 seed = params[i].seed
                 self._seeds[uids[i]] = int(torch.randint(1 << 62, ()).item()) if seed is None else seed
-        chosen = [params[i] for i in sampled]
-        ints = np.empty((len(sampled), 5), dtype=np.int64)
-        ints[:, 0] = sampled
-        ints[:, 1] = [p.top_k if p.top_k > 0 else np.iinfo(np.int64).max for p in chosen]
-        ints[:, 2:4] = seed_keys([self._seeds[u] for u in sampled_uids])
-        ints[:, 4] = [self._sampled.get(u, 0) for u in sampled_uids]
-        floats = np.array([[1.0 / p.temperature, p.top_p] for p in chosen], dtype=np.float32)
-        ints_dev = torch.from_numpy(ints).to(self.device)
-        floats_dev = torch.from_numpy(floats).to(self.device)
+        ints = np.zeros((4, len(uids)), dtype=np.int64)  # top_k, seed keys (2), steps
+        floats = np.zeros((2, len(uids)), dtype=np.float32)  # inverse temperature, top_p
+        ints[0] = [p.top_k if p.top_k > 0 else _TOP_K_OFF for p in params]
+        ints[1:3, sampled] = seed_keys([self._seeds[u] for u in sampled_uids])
+        ints[3, sampled] = [self._sampled.get(u, 0) for u in sampled_uids]
+        floats[0, sampled] = [1.0 / params[i].temperature for i in sampled]
+        floats[1] = [p.top_p for p in params]
+        with torch.inference_mode(False):  # the kernel advances `steps` in place, in any grad mode
+            ints_dev = to_device(ints, self.device)
+            floats_dev = to_device(floats, self.device, torch.float32)
         self._staged = _StagedBatch(
-            uids,
-            sampled_uids,
-            rows=ints_dev[:, 0],
-            inv_temperature=floats_dev[:, :1],
-            top_k=ints_dev[:, 1:2],
-            top_p=floats_dev[:, 1:2],
-            seed_keys=ints_dev[:, 2:4],
-            steps=ints_dev[:, 4],
-            filters=any(p.top_k > 0 or p.top_p < 1.0 for p in chosen),
+            uids, sampled_uids, inv_temperature=floats_dev[0], top_p=floats_dev[1], top_k=ints_dev[0],
+            seed_keys=ints_dev[1:3], steps=ints_dev[3],
         )
         return self._staged
-
-    def _vocab_constants(self, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-column keys and ranks `0..vocab-1` (made once per vocabulary size)."""
-        if self._column_keys is None or self._column_keys.shape[0] != vocab:
-            columns = torch.arange(vocab, dtype=torch.int64, device=self.device)
-            self._column_keys = mix32(mix32(columns ^ 0x27D4EB2F))
-            self._ranks = columns[None, :]
-        return self._column_keys, self._ranks

@@ -1,15 +1,21 @@
-"""The batched sampler: counter-based seeded noise, reproducible per request, fixed ops per step."""
+"""The batched sampler: the top-k / top-p rule, counter-based seeded noise, reproducible per request,
+fixed ops per step; the Triton kernel (under the interpreter, in one subprocess) against the torch path.
+"""
 
 from __future__ import annotations
+
+import sys
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from conftest import fresh_model, random_ids
+from interpreter import assert_check_passed, interpreter_report, report_checks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.sampling import Sampler, mix32, seed_keys
+from hf_radix.sampling import Sampler, kept_threshold, mix32, sample_rows_torch, seed_keys
 
 VOCAB = 50
 
@@ -159,3 +165,253 @@ def test_runner_seeded_completion_is_the_same_in_any_batch_and_order():
         outs = runner.run(prompts, batch_params)
         assert outs[order.index(3)].token_ids == alone
     runner.check_integrity()
+
+
+# -- the kept set: the rule straight from its definition (float64), the torch path, the kernel -------------
+
+TOP_K_OFF = np.iinfo(np.int64).max
+
+
+def reference_kept(x: torch.Tensor, top_k: int, top_p: float) -> tuple[torch.Tensor, bool]:
+    """The kept tokens of one row `x` by the module's rule, from its definition in float64, and whether
+    fp32 sums could decide otherwise (some value's share of mass at or above it within 1e-5 of top_p)."""
+    xs = x.double()
+    kth = xs.sort(descending=True).values[min(top_k, len(xs)) - 1]
+    in_top_k = xs >= kth
+    if top_p >= 1.0:
+        return in_top_k, False
+    weight = (xs - xs.max()).exp() * in_top_k
+    values = xs[in_top_k].unique()
+    share = (weight[None, :] * (xs[None, :] >= values[:, None])).sum(1) / weight.sum()
+    threshold = values[share >= top_p].max()  # the largest value whose tokens at or above reach top_p
+    return in_top_k & (xs >= threshold), bool(((share - top_p).abs() < 1e-5).any())
+
+
+def rule_case(rows: int, vocab: int, seed: int, greedy_every: int = 0) -> dict[str, torch.Tensor]:
+    """Random rows with ties (every third row on a 0.5 grid), masked (-inf) entries, all kinds of top-k
+    and top-p (near 0 and 1 included); with `greedy_every`, every such row is greedy (temperature 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[::3] = (logits[::3] * 2).round() / 2
+    logits[1::5, : vocab // 4] = float("-inf")
+
+    def pick(options: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(options, dtype=dtype)[torch.randint(len(options), (rows,), generator=gen)]
+
+    inv_temperature = 1.0 / pick([0.3, 0.7, 1.0, 1.8], torch.float32)
+    if greedy_every:
+        inv_temperature[::greedy_every] = 0.0
+    top_k = pick([1, 2, 5, 17, vocab - 1, vocab, vocab + 7, TOP_K_OFF, TOP_K_OFF], torch.int64)
+    top_p = pick([1e-6, 0.05, 0.3, 0.5, 0.9, 0.97, 0.999, 0.999999, 1.0, 1.0], torch.float32)
+    keys = torch.from_numpy(seed_keys(torch.randint(1 << 62, (rows,), generator=gen).tolist()))
+    steps = torch.randint(1000, (rows,), generator=gen)
+    return dict(logits=logits, inv_temperature=inv_temperature, top_k=top_k, top_p=top_p, seed_keys=keys,
+                steps=steps)
+
+
+def kept_mismatches(x: torch.Tensor, kept: torch.Tensor, case: dict[str, torch.Tensor]) -> tuple[list, int]:
+    """Rows whose kept set `kept` differs from the reference's (ambiguous rows skipped); rows checked."""
+    wrong, checked = [], 0
+    for row in range(x.shape[0]):
+        want, ambiguous = reference_kept(x[row], int(case["top_k"][row]), float(case["top_p"][row]))
+        if not ambiguous:
+            checked += 1
+            if not torch.equal(kept[row], want):
+                wrong.append(row)
+    return wrong, checked
+
+
+def test_torch_kept_set_is_the_rule_for_random_rows_ties_and_extreme_top_p():
+    case = rule_case(rows=300, vocab=97, seed=0)
+    x = case["logits"] * case["inv_temperature"][:, None]
+    kept = x >= kept_threshold(x, case["top_k"], case["top_p"])
+    wrong, checked = kept_mismatches(x, kept, case)
+    assert not wrong and checked > 250, (wrong, checked)
+    assert kept.sum(1).min() >= 1 and (kept.sum(1) == 1).any() and (kept.sum(1) == 97).any()
+
+
+def test_torch_path_samples_from_the_kept_set_and_greedy_rows_take_the_argmax():
+    case = rule_case(rows=64, vocab=97, seed=1, greedy_every=4)
+    tokens = sample_rows_torch(**case)
+    x = case["logits"] * case["inv_temperature"][:, None]
+    for row, token in enumerate(tokens.tolist()):
+        if case["inv_temperature"][row] == 0:
+            assert token == int(case["logits"][row].argmax())
+        else:
+            assert reference_kept(x[row], int(case["top_k"][row]), float(case["top_p"][row]))[0][token]
+
+
+def test_filtered_frequencies_follow_the_renormalized_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    probs = torch.tensor([2.0, 1.0, 0.5]).exp()
+    probs /= probs.sum()  # top_k=4 keeps 4 tokens; top_p=0.8 of their mass: the first 3 (0.58, 0.79, 0.92)
+    draws = 8000
+    sampler = Sampler("cpu")
+    params = [SamplingParams(temperature=1.0, top_k=4, top_p=0.8, seed=u) for u in range(draws)]
+    counts = torch.bincount(sampler.sample(logits.expand(draws, -1), params, list(range(draws))), minlength=6)
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3] / draws, probs, atol=0.02), (counts, probs)
+
+
+# -- the Triton kernel on the CPU (interpreter subprocess) and for sm_90 (compiler only) --------------------
+
+
+def _interp_kernel_matches_torch() -> dict[str, Any]:
+    from hf_radix.kernels.triton_sampling import sample_rows
+
+    case = rule_case(rows=24, vocab=200, seed=2, greedy_every=5)
+    mismatched, steps_ok = [], True
+    for dtype in (torch.float32, torch.float16):  # fp16: the kernel reads any float dtype
+        case["logits"] = case["logits"].to(dtype)
+        want = sample_rows_torch(**case)
+        before = case["steps"].clone()
+        got = sample_rows(**case, block=128)  # 2 blocks per row, the last partial
+        sampled = case["inv_temperature"] != 0
+        steps_ok &= torch.equal(case["steps"], before + sampled)
+        mismatched += [(str(dtype), r) for r in (got != want).nonzero().flatten().tolist()]
+    return {"ok": not mismatched and steps_ok, "mismatched": mismatched, "steps_advanced": steps_ok}
+
+
+def _interp_kernel_kept_set_is_the_rule() -> dict[str, Any]:
+    report = {}
+    for digit_bits, rows in ((4, 30), (2, 8)):
+        case = rule_case(rows=rows, vocab=64, seed=3)
+        logits = case["logits"]
+        x = logits * case["inv_temperature"][:, None]
+        floors = torch.empty(rows, dtype=torch.int64)
+        _floor_kernel[(rows,)](logits, logits.stride(0), logits.shape[1], case["inv_temperature"],
+                               case["top_k"], case["top_p"], floors, BLOCK=32, DIGIT_BITS=digit_bits)
+        wrong, checked = kept_mismatches(x, _order_keys(x) >= floors[:, None], case)
+        report[digit_bits] = {"wrong": wrong, "checked": checked, "rows": rows}
+    return {"ok": all(not r["wrong"] and r["checked"] >= 0.6 * r["rows"] for r in report.values()), **report}
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 order keys of fp32 `x`, as the kernel makes them (-0 as +0)."""
+    bits = (x + 0.0).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return torch.where(bits >= 1 << 31, bits ^ 0xFFFFFFFF, bits | (1 << 31))
+
+
+def _interp_kernel_frequencies() -> dict[str, Any]:
+    from hf_radix.kernels.triton_sampling import sample_rows
+
+    draws = 120
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(draws, -1).contiguous()
+    probs = torch.tensor([2.0, 1.0, 0.5]).exp()
+    probs /= probs.sum()
+    tokens = sample_rows(logits, torch.ones(draws), torch.full((draws,), 4), torch.full((draws,), 0.8),
+                         torch.from_numpy(seed_keys(range(draws))), torch.zeros(draws, dtype=torch.int64),
+                         digit_bits=8)  # 4 passes per threshold: the interpreter is slow
+    counts = torch.bincount(tokens, minlength=6).double()
+    chi2 = float(((counts[:3] - draws * probs) ** 2 / (draws * probs)).sum())
+    return {"ok": counts[3:].sum() == 0 and chi2 < 13.8, "counts": counts.tolist(), "chi2": chi2}  # p=0.001
+
+
+def _interp_sampler_on_the_kernel() -> dict[str, Any]:
+    """The Sampler runs the kernel under the interpreter: per-request reproducibility, the torch tokens."""
+    import hf_radix.sampling as sampling
+
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    logits_of = {uid: _logits(4, seed=uid) for uid in range(4)}
+    logits_of[9] = logits_of[0]
+    mates = [(1, SamplingParams(temperature=1.3, seed=3)), (2, SamplingParams()),
+             (3, SamplingParams(temperature=1.0, top_p=0.5, seed=11))]
+    batches = [[(9, params)], [*mates, (9, params)], [(9, params), mates[0]],
+               [mates[2], (9, params), mates[1]]]
+    alone = _run(Sampler("cpu"), logits_of, [[(0, params)]] * 4)[0]
+    mixed = _run(Sampler("cpu"), logits_of, batches)
+    sampling._kernel_runs_on = lambda tensor: False
+    torch_path = _run(Sampler("cpu"), logits_of, batches)
+    return {"ok": mixed[9] == alone and mixed == torch_path, "alone": alone, "mixed": mixed,
+            "torch": torch_path}
+
+
+INTERP_CHECKS = {
+    "kernel_matches_torch": _interp_kernel_matches_torch,
+    "kernel_kept_set_is_the_rule": _interp_kernel_kept_set_is_the_rule,
+    "kernel_frequencies": _interp_kernel_frequencies,
+    "sampler_on_the_kernel": _interp_sampler_on_the_kernel,
+}
+
+
+@pytest.fixture(scope="module")
+def interp_report() -> dict[str, Any]:
+    return interpreter_report(__file__)
+
+
+@pytest.mark.parametrize("name", list(INTERP_CHECKS))
+def test_sampling_kernel_under_the_interpreter(interp_report: dict[str, Any], name: str):
+    assert_check_passed(interp_report, name)
+
+
+def test_sampling_kernel_compiles_for_sm90():
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from hf_radix.kernels import triton_sampling
+
+    kernel = triton_sampling._sample_kernel
+    pointers = {"Logits": "*bf16", "InvTemperature": "*fp32", "TopP": "*fp32", "Out": "*i64"}
+    pointers.update({name: "*i64" for name in ("TopK", "Key0", "Key1", "Steps")})
+    constexprs = dict(BLOCK=512, DIGIT_BITS=4)
+    signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 8, "num_stages": 1, "enable_fp_fusion": False})
+    assert compiled.asm["cubin"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernel_matches_torch_at_full_vocabulary_on_gpu():
+    from hf_radix.kernels.triton_sampling import sample_rows
+
+    case = {k: v.cuda() for k, v in rule_case(rows=64, vocab=128_256, seed=4, greedy_every=8).items()}
+    case["logits"] = case["logits"].to(torch.bfloat16)
+    mismatched = 0
+    for _ in range(3):
+        want = sample_rows_torch(**case)
+        mismatched += int((sample_rows(**case) != want).sum())  # advances the steps: new noise each time
+    # equal but where a token sits within fp32 rounding of the nucleus boundary (sums in another order)
+    assert mismatched <= 1, mismatched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_step_is_one_kernel_launch_on_gpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = 48
+    logits = torch.randn(rows, 4096, device="cuda")
+    params = [SamplingParams() if i % 3 == 0 else SamplingParams(temperature=0.9, top_p=0.9, top_k=40, seed=i)
+              for i in range(rows)]
+    sampler = Sampler(logits.device)
+    first = sampler.sample(logits, params, list(range(rows)))  # stages the batch
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        second = sampler.sample(logits, params, list(range(rows)))
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 1, kernels
+    greedy = torch.tensor([i % 3 == 0 for i in range(rows)], device="cuda")
+    assert torch.equal(first[greedy], logits.argmax(-1)[greedy])
+    assert torch.equal(second[greedy], first[greedy])
+    assert not torch.equal(first[~greedy], second[~greedy])  # the next step's noise
+
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    import triton
+    import triton.language as tl
+
+    from hf_radix.kernels import triton_sampling
+
+    @triton.jit
+    def _floor_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, Out, BLOCK: tl.constexpr,
+                      DIGIT_BITS: tl.constexpr):
+        row = tl.program_id(0)
+        floor = triton_sampling._kept_floor(Logits + row * stride_row, n_cols, tl.load(InvTemperature + row),
+                                            tl.load(TopK + row), tl.load(TopP + row), BLOCK, DIGIT_BITS)
+        tl.store(Out + row, floor.to(tl.int64))
+
+    report_checks({name: check for name, check in INTERP_CHECKS.items()})
