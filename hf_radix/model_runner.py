@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 EagerForward = Callable[[ForwardBatch], torch.Tensor]
-WARM_UP_TOKENS = (1, 7, 16, 100, 512)  # eager prefill lengths run at warm-up (Triton specializations)
+# eager prefill lengths run at warm-up: Triton specializations, and the GEMM kernels of prefill chunks
+WARM_UP_TOKENS = (1, 7, 16, 100, 512, 2048, 8192)
 EXTEND_GRAPH_ROWS = 8  # extend graphs cover up to this many rows ...
 EXTEND_GRAPH_TOKENS = EXTEND_TOKEN_BUCKETS[-1]  # ... and this many new tokens
 GRAPH_MEMORY_MARGIN = 256 << 20  # allocator rounding, cuBLAS workspaces, graph bookkeeping (an estimate)
