@@ -26,16 +26,18 @@ def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num
 
 
 @pytest.mark.parametrize(
-    "window,softcap,head_dim,head_dim_v,direct,pack,sinks",
+    "window,softcap,head_dim,head_dim_v,direct,pack,sinks,block_m,row_grid",
     [
-        (False, False, 128, 128, True, False, False),
-        (False, False, 128, 128, False, True, False),
-        (True, True, 96, 96, False, True, True),
-        (False, False, 128, 64, True, False, False),  # MLA-style: V narrower than K
+        (False, False, 128, 128, True, False, False, 128, False),
+        (False, False, 128, 128, False, True, False, 128, False),
+        (False, False, 128, 128, True, True, False, 16, True),  # short rows: one small tile per row
+        (True, True, 96, 96, False, True, True, 64, True),
+        (False, False, 128, 64, True, False, False, 128, False),  # MLA-style: V narrower than K
     ],
 )
 def test_extend_kernel_compiles_for_sm90(
-    window: bool, softcap: bool, head_dim: int, head_dim_v: int, direct: bool, pack: bool, sinks: bool
+    window: bool, softcap: bool, head_dim: int, head_dim_v: int, direct: bool, pack: bool, sinks: bool,
+    block_m: int, row_grid: bool,
 ) -> None:
     pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
     pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
@@ -44,10 +46,11 @@ def test_extend_kernel_compiles_for_sm90(
     constexprs = dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, HEAD_DIM_V=head_dim_v,
         BLOCK_DV=triton.next_power_of_2(head_dim_v),
-        BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
-        HAS_SINKS=sinks, DOT_PREC="tf32",
+        BLOCK_M=block_m, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
+        ROW_GRID=row_grid, HAS_SINKS=sinks, DOT_PREC="tf32",
     )
-    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
+    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8 if block_m == 128 else 4,
+                      num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
