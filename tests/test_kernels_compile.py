@@ -49,8 +49,8 @@ def test_extend_kernel_compiles_for_sm90(
         BLOCK_M=block_m, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
         ROW_GRID=row_grid, HAS_SINKS=sinks, DOT_PREC="tf32",
     )
-    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8 if block_m == 128 else 4,
-                      num_stages=3)
+    warps = 8 if block_m == 128 else 4
+    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=warps, num_stages=3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
 
 
