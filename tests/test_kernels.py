@@ -226,6 +226,23 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                            dict(pack_gqa=True, num_splits=3,
                                 _cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
     "extend_splits_auto": ("extend", dict(rows=[(600, 4)], hq=2, hkv=2, d=16), dict(max_prefix_len=600)),
+    # rows of 1..100 new tokens behind prefixes of several lengths (an empty one too), four query heads per
+    # KV head packed: short rows take the one-tile-per-row launch, long ones the tiles mapped onto rows
+    "extend_row_classes": ("extend", dict(rows=[(37, 1), (0, 100), (5, 3), (64, 1), (0, 2), (130, 17),
+                                                (9, 64), (0, 1)], hq=8, hkv=2, d=16, page_size=4), {}),
+    "extend_row_classes_splits_window": (
+        "extend", dict(rows=[(50, 1), (0, 20), (33, 6), (40, 45)], hq=8, hkv=2, d=16, sinks=True),
+        dict(num_splits=2, sliding_window=30,
+             _cfg=[{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                   {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                   {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]),
+    ),
+    # decode-like rows only: one launch, one program per row and KV head
+    "extend_decode_like": ("extend", dict(rows=[(40, 1), (0, 1), (7, 2)], hq=4, hkv=1, d=16, page_size=2),
+                           {}),
+    # no max_new_len: every class launches and the tiles are found on the device alone
+    "extend_no_max_new_len": ("extend", dict(rows=[(3, 50), (21, 2), (0, 9)], hq=6, hkv=2, d=16),
+                              dict(_no_max_new=True)),
     "decode_splits": ("decode", dict(seq_lens=[1, 37, 70, 16], hq=8, hkv=2, d=16, page_size=4),
                       dict(num_kv_splits=3)),
     "decode_auto": ("decode", dict(seq_lens=[33, 5], hq=4, hkv=4, d=24, page_size=1), {}),
@@ -264,6 +281,8 @@ def _run_case(name: str) -> dict[str, Any]:
     kind, bkw, kkw = INTERP_CASES[name]
     kkw = dict(kkw)
     cfg = kkw.pop("_cfg", None)
+    if kind == "extend" and not kkw.pop("_no_max_new", False):
+        kkw["max_new_len"] = max(n for _, n in bkw["rows"])
     scaling = 1.0 / math.sqrt(bkw["d"])
     t0 = time.time()
     if kind == "extend":
