@@ -396,12 +396,13 @@ RowClass = tuple[dict[str, int], int, int, bool]
 
 def _row_classes(configs: list[dict[str, int]], max_q_rows: int) -> list[RowClass]:
     """(config, rows' query-row count bounds (lo, hi], one program per row) per launch, for rows of at most
-    ``max_q_rows`` query rows: a class whose tile holds the longest rows ends the list."""
+    ``max_q_rows`` query rows: a class whose tile holds the longest rows ends the list. Whether a class runs
+    one program per row depends on the class alone (one compiled variant each)."""
     classes, lo = [], 0
     for i, cfg in enumerate(configs):
-        fits = max_q_rows <= cfg["BLOCK_M"]
-        last = fits or i == len(configs) - 1
-        classes.append((cfg, lo, _NO_BOUND if last else cfg["BLOCK_M"], fits or not last))
+        row_grid = i < len(configs) - 1
+        last = not row_grid or max_q_rows <= cfg["BLOCK_M"]
+        classes.append((cfg, lo, _NO_BOUND if last else cfg["BLOCK_M"], row_grid))
         if last:
             break
         lo = cfg["BLOCK_M"]
