@@ -11,7 +11,8 @@
 (c) store: first-build and cached-load time of the CUDA store kernel; time vs torch index_copy_ for
     8K tokens x 8 heads x 128 (bf16).
 
-Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|extend|store] [--old-ref REF]
+Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|extend|store]
+       [--old-ref REF | --old-file PATH]
 """
 
 from __future__ import annotations
@@ -227,13 +228,16 @@ def _cfg_label(cfgs: list[dict[str, int]] | None) -> str:
     return "+".join(f"m{c['BLOCK_M']}n{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}" for c in cfgs)
 
 
-def _load_old_extend(ref: str) -> Any:
-    """``extend_attention`` as of git ``ref`` (the kernel before this rework), or None if git cannot say."""
-    try:
-        src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:hf_radix/kernels/triton_extend.py"],
-                             capture_output=True, text=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+def _load_old_extend(ref: str, file: str | None = None) -> Any:
+    """``extend_attention`` of an earlier triton_extend.py: ``file``, else git ``ref``'s; None if neither."""
+    if file is not None:
+        src = Path(file).read_text()
+    else:
+        try:
+            src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:hf_radix/kernels/triton_extend.py"],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
     import importlib.util
 
     spec = importlib.util.spec_from_loader("hf_radix.kernels._extend_before", loader=None)
@@ -246,12 +250,13 @@ def _load_old_extend(ref: str) -> Any:
 
 
 def extend_shape(name: str, rows: list[tuple[int, int, int]], num_prefixes: int, page_size: int = 1,
-                 hq: int = 32, hkv: int = 8, d: int = 128, seed: int = 0) -> dict[str, Any]:
+                 hq: int = 32, hkv: int = 8, d: int = 128, seed: int = 0, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     """Inputs of one extend call: ``rows`` = (prefix group, cached, new) per row; rows of one group share
     their cached prefix's slots (as the radix tree makes them), on shuffled pages. Llama-3.1-8B heads,
     bf16."""
     gen = torch.Generator().manual_seed(seed)
-    dev, dtype = "cuda", torch.bfloat16
+    dev = device
     prefix_len = [max(c for g_, c, _ in rows if g_ == g) for g in range(num_prefixes)]
     new_total = sum(n for _, _, n in rows)
     pages = shuffled_slots(1, sum(prefix_len) + new_total + page_size, page_size, gen)[0]
@@ -342,12 +347,15 @@ def _time_extend(s: dict[str, Any], fn: Any, cfgs: list[dict[str, int]] | None,
         triton_extend._EXTEND_CFG_OVERRIDE = None
 
 
-def bench_extend(quick: bool, old_ref: str) -> dict[str, Any]:
-    """Each shape: the kernel as of ``old_ref`` (if git has it), the committed default, and (unless quick)
-    every config list of EXTEND_SWEEP and the unpacked layout; ms, TFLOP/s, error vs fp32 SDPA."""
-    old = _load_old_extend(old_ref)
+def bench_extend(quick: bool, old_ref: str, old_file: str | None = None) -> dict[str, Any]:
+    """Each shape: the earlier kernel (``old_file``, else git ``old_ref``'s), the committed default, and
+    (unless quick) every config list of EXTEND_SWEEP and the unpacked layout; ms, TFLOP/s, error vs fp32
+    SDPA."""
+    old = _load_old_extend(old_ref, old_file)
     if old is None:
-        print(f"extend: git cannot show {old_ref}; timing the new kernel only", flush=True)
+        print(f"extend: git cannot show {old_ref} (pass --old-file); timing the new kernel only", flush=True)
+    elif old_file is not None:
+        old_ref = old_file
     results: list[dict[str, Any]] = []
     for s in extend_shapes():
         n = len(s["rows"])
@@ -542,6 +550,8 @@ def main() -> None:
     ap.add_argument("--only", choices=["decode", "extend", "store"], default=None)
     ap.add_argument("--old-ref", default="710e311",
                     help="git commit whose extend kernel is timed as 'before' (default: before the rework)")
+    ap.add_argument("--old-file", default=None,
+                    help="an earlier triton_extend.py to time as 'before' (where the checkout has no .git)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_bench.py needs a CUDA device")
@@ -560,7 +570,7 @@ def main() -> None:
         if not args.quick:
             results["decode_d256"] = bench_decode_d256()
     if args.only in (None, "extend"):
-        results["extend"] = bench_extend(args.quick, args.old_ref)
+        results["extend"] = bench_extend(args.quick, args.old_ref, args.old_file)
 
     print("\n=== summary ===")
     print(f"{'benchmark':<44} {'time (us)':>10}  note")
