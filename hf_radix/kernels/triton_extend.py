@@ -2,9 +2,13 @@
 
 Each row has ``prefix_lens[i]`` cached tokens (read from the pool through ``prefix_kv_indices``) followed
 by new tokens (read from the contiguous ``k_new``/``v_new``). One program computes a ``BLOCK_M`` x
-``head_dim`` output tile for one query head with an online softmax. Few short query blocks over long
-prefixes (a question after a cached few-shot prefix) split each prefix into chunks computed in parallel,
-merged as in decode.
+``head_dim`` output tile with an online softmax: by default its rows are (token, head) pairs of the query
+heads that share one KV head, so K/V are read once per KV head. Rows are sorted into classes by length
+on the device: short rows (decode tokens riding along in a prefill, few-token questions) get one small
+tile each, longer rows large tiles laid out over the rows from ``qo_indptr``, so no row pays for the
+longest one and nothing depends on host-side lengths. Few short query blocks over long prefixes (a
+question after a cached few-shot prefix) split each prefix into chunks computed in parallel, merged as in
+decode.
 """
 
 from __future__ import annotations
