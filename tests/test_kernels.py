@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from interpreter import assert_check_passed, interpreter_report, report_checks
 
 # --------------------------------------------------------------------------------------------------------
@@ -370,6 +372,32 @@ def test_pick_num_kv_splits() -> None:
     assert pick_num_kv_splits(1, 8, 32768) == 33
     assert pick_num_kv_splits(1, 8, 100) == 1
     assert 1 <= pick_num_kv_splits(4, 8, 4096) <= 16
+
+
+def test_extend_row_classes() -> None:
+    from hf_radix.kernels.triton_extend import _NO_BOUND, _row_classes
+
+    c16, c64, c128 = ({"BLOCK_M": m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1} for m in (16, 64, 128))
+    assert _row_classes([c16, c64, c128], 1000) == [(c16, 0, 16, True), (c64, 16, 64, True),
+                                                     (c128, 64, _NO_BOUND, False)]
+    assert _row_classes([c16, c64, c128], 64) == [(c16, 0, 16, True), (c64, 16, _NO_BOUND, True)]
+    assert _row_classes([c16, c64, c128], 3) == [(c16, 0, _NO_BOUND, True)]
+    assert _row_classes([c128], 3) == [(c128, 0, _NO_BOUND, False)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(new_lens=st.lists(st.integers(0, 300), min_size=1, max_size=20), group=st.integers(1, 8),
+       block_m=st.sampled_from([16, 32, 64, 128]))
+def test_extend_tiles_cover_every_row(new_lens: list[int], group: int, block_m: int) -> None:
+    """The kernel's tile layout (``_tile_row``): row i owns tiles [i + qo[i]*G//BM, i+1 + qo[i+1]*G//BM),
+    which hold its new_len*G query rows, and B + T*G//BM tiles cover all rows."""
+    qo = [0]
+    for n in new_lens:
+        qo.append(qo[-1] + n)
+    starts = [i + qo[i] * group // block_m for i in range(len(qo))]
+    assert starts[0] == 0 and starts[-1] == len(new_lens) + qo[-1] * group // block_m
+    for i, n in enumerate(new_lens):
+        assert (starts[i + 1] - starts[i]) * block_m >= n * group
 
 
 # --------------------------------------------------------------------------------------------------------

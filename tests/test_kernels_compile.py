@@ -17,11 +17,14 @@ from hf_radix.kernels import triton_attention_common, triton_decode, triton_exte
 SM90 = backends.GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
+             aligned: tuple[str, ...] = ()):
+    """Compiles for sm_90; ``aligned`` arguments are multiples of 16 (as a launch finds pool strides)."""
     signature = {
         name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names
     }
-    source = compiler.ASTSource(fn, signature, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
+    source = compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -50,8 +53,14 @@ def test_extend_kernel_compiles_for_sm90(
         ROW_GRID=row_grid, HAS_SINKS=sinks, DOT_PREC="tf32",
     )
     warps = 8 if block_m == 128 else 4
-    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=warps, num_stages=3)
-    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    aligned = (*pointers, "stride_qt", "stride_qh", "stride_knt", "stride_knh", "stride_vnt", "stride_vnh",
+               "stride_kct", "stride_kch", "stride_vct", "stride_vch", "stride_ot", "stride_oh")
+    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=warps, num_stages=3,
+                      aligned=aligned)
+    ptx = kernel.asm["ptx"]
+    assert "mma" in ptx and kernel.asm["cubin"]
+    if head_dim % 16 == 0 and head_dim_v % 16 == 0:  # K/V tiles stream through shared memory, pipelined
+        assert "cp.async" in ptx
 
 
 @pytest.mark.parametrize("direct", [True, False])
