@@ -90,7 +90,10 @@ def test_extend_bf16(name: str, kw: dict[str, Any]) -> None:
 
 
 def _compiled_variants(fn: Any) -> int:
-    """How many variants of a Triton kernel are compiled (all devices)."""
+    """How many variants of a Triton kernel are compiled (all devices; the first entry of each device's
+    cache tuple is its kernel cache in Triton 3.2 to 3.9)."""
+    if not hasattr(fn, "device_caches"):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
     return sum(len(cache[0]) for cache in fn.device_caches.values())
 
 
