@@ -3,12 +3,16 @@
 (a) decode: batch 256 x 2,048-token contexts, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16, slots
     shuffled per page (page_size 1 and 16); median time (triton.testing.do_bench) and achieved K+V read
     bandwidth as a fraction of 4.3 TB/s. A few split counts / BLOCK_N values are swept too.
-(b) extend: 8 rows x (2,048 cached + 256 new): Triton kernel vs torch SDPA on the same K/V gathered into
-    contiguous tensors (timed with and without the gather).
+(b) extend: the shapes of hf_radix's prefill calls (Llama-3.1-8B heads, bf16, page_size 1): gsp suffixes
+    (256 rows x 256 new behind 2,048 cached, 8 shared prefixes), one gsp prefill forward with 160 decoding
+    rows riding along, 5-shot scoring (650 rows x ~12 new behind 1,600; 80 x 100 behind 1,500) and one
+    time-to-first-token row; the kernel before the rework (git --old-ref) vs the committed configs vs a
+    sweep of config lists; ms, TFLOP/s, error vs fp32 SDPA; the best config list is printed.
 (c) store: first-build and cached-load time of the CUDA store kernel; time vs torch index_copy_ for
     8K tokens x 8 heads x 128 (bf16).
 
-Usage: python bench/kernel_bench.py [--json PATH] [--quick]
+Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|extend|store]
+       [--old-ref REF | --old-file PATH]
 """
 
 from __future__ import annotations
@@ -199,142 +203,224 @@ def bench_decode_d256() -> list[dict[str, Any]]:
 # (b) extend
 # --------------------------------------------------------------------------------------------------------
 
-
-EXTEND_SWEEP = {
-    128: (
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    ),
-    256: (
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
-        {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
-        {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-    ),
-}
+# Launch-config lists tried per shape (see triton_extend._extend_configs: one config per row class, by
+# increasing BLOCK_M; all but the last serve rows that fit one tile). None: the committed default.
+def _cfg(bm: int, bn: int, warps: int, stages: int) -> dict[str, int]:
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
-def _extend_one(page_size: int, gen: torch.Generator, sweep: bool = False, d: int = 128, rows: int = 8,
-                cached: int = 2048, new: int = 256, split_sweep: tuple[int, ...] = ()) -> dict[str, Any]:
-    hkv = 8
-    hq = 32 if d <= 128 else 16
-    dev, dtype = "cuda", torch.bfloat16
-    total = cached + new
-    slots = shuffled_slots(rows, total, page_size, gen).to(dev)  # [rows, total]
-    pool = torch.randn((2, rows * total + page_size, hkv, d), device=dev, dtype=dtype)
-    t = rows * new
-    q = torch.randn((t, hq, d), device=dev, dtype=dtype)
-    k_new = torch.randn((t, hkv, d), device=dev, dtype=dtype)
-    v_new = torch.randn((t, hkv, d), device=dev, dtype=dtype)
-    new_slots = slots[:, cached:].reshape(-1).long()
-    pool[0][new_slots] = k_new
-    pool[1][new_slots] = v_new
-    qo_indptr = torch.arange(0, (rows + 1) * new, new, dtype=torch.int32, device=dev)
-    prefix_lens = torch.full((rows,), cached, dtype=torch.int32, device=dev)
-    prefix_kv_indptr = torch.arange(0, (rows + 1) * cached, cached, dtype=torch.int32, device=dev)
-    prefix_kv_indices = slots[:, :cached].reshape(-1).contiguous()
-    scaling = d**-0.5
+EXTEND_SWEEP: list[list[dict[str, int]] | None] = [
+    None,
+    [_cfg(128, 128, 8, 3)],
+    [_cfg(128, 64, 8, 3)],
+    [_cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3)],
+    [_cfg(16, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 64, 8, 3)],
+    [_cfg(16, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 2)],
+    [_cfg(16, 64, 4, 3), _cfg(64, 128, 4, 2), _cfg(128, 128, 8, 3)],
+    [_cfg(32, 64, 4, 3), _cfg(64, 64, 4, 3), _cfg(128, 128, 8, 3)],
+    [_cfg(16, 64, 4, 4), _cfg(64, 64, 4, 4), _cfg(128, 64, 4, 3)],
+]
 
-    def triton_fn() -> torch.Tensor:
-        return ta.extend_attention(
-            q,
-            k_new,
-            v_new,
-            pool[0],
-            pool[1],
-            qo_indptr,
-            prefix_lens,
-            prefix_kv_indices,
-            prefix_kv_indptr,
-            scaling,
-            max_new_len=new,
-            max_prefix_len=cached,
-        )
 
-    # SDPA baseline: rows have equal lengths, so one batched call; causal with offset via a bool mask.
-    qpos = torch.arange(cached, total, device=dev)[:, None]
-    kpos = torch.arange(total, device=dev)[None, :]
-    mask = kpos <= qpos  # [new, total]
-    all_slots = slots.reshape(-1).long()
-    q_b = q.view(rows, new, hq, d).transpose(1, 2)  # [rows, hq, new, d]
-    group = hq // hkv
+def _cfg_label(cfgs: list[dict[str, int]] | None) -> str:
+    if cfgs is None:
+        return "default"
+    return "+".join(f"m{c['BLOCK_M']}n{c['BLOCK_N']}w{c['num_warps']}s{c['num_stages']}" for c in cfgs)
 
-    def gather() -> tuple[torch.Tensor, torch.Tensor]:
-        k = pool[0][all_slots].view(rows, total, hkv, d).transpose(1, 2)
-        v = pool[1][all_slots].view(rows, total, hkv, d).transpose(1, 2)
-        return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
-    def sdpa(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q_b, k, v, attn_mask=mask, scale=scaling)
-
-    k_g, v_g = gather()
-    ref = sdpa(k_g, v_g).transpose(1, 2).reshape(t, hq, d)
-    out = triton_fn()
-    err = float((out.float() - ref.float()).norm() / ref.float().norm())
-    bench(triton_fn)  # the first timed run after the references can be slow (clocks, allocator)
-    ms_triton = bench(triton_fn)
-    ms_sdpa_gather = bench(lambda: sdpa(*gather()))
-    ms_sdpa = bench(lambda: sdpa(k_g, v_g))
-    sweep_res = []
-    for cfg in EXTEND_SWEEP.get(d, ()) if sweep else ():
-        triton_extend._EXTEND_CFG_OVERRIDE = cfg
+def _load_old_extend(ref: str, file: str | None = None) -> Any:
+    """``extend_attention`` of an earlier triton_extend.py: ``file``, else git ``ref``'s; None if neither."""
+    if file is not None:
+        src = Path(file).read_text()
+    else:
         try:
-            triton_fn()
-            sweep_res.append({"cfg": cfg, "ms": bench(triton_fn)})
-        except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory; report and go on
-            sweep_res.append({"cfg": cfg, "error": str(exc)[:200]})
-        finally:
-            triton_extend._EXTEND_CFG_OVERRIDE = None
-        print(f"  extend sweep {sweep_res[-1]}", flush=True)
-    for pack in (False, True) if split_sweep else ():
-        for splits in split_sweep:
-            fn = lambda s=splits, p=pack: ta.extend_attention(  # noqa: E731
-                q, k_new, v_new, pool[0], pool[1], qo_indptr, prefix_lens, prefix_kv_indices,
-                prefix_kv_indptr, scaling, max_new_len=new, num_splits=s, pack_gqa=p)
-            sweep_res.append({"num_splits": splits, "pack_gqa": pack, "ms": bench(fn)})
-            print(f"  extend sweep {sweep_res[-1]}", flush=True)
-    # causal FLOPs: per row/head, new queries see cached + (1..new) keys; QK^T and PV
-    keys = rows * (new * cached + new * (new + 1) / 2)
-    flops = 4 * hq * d * keys
-    res = {
-        "page_size": page_size,
-        "head_dim": d,
-        "q_heads": hq,
-        "rows": rows,
-        "cached": cached,
-        "new": new,
-        "ms_triton": ms_triton,
-        "ms_sdpa_with_gather": ms_sdpa_gather,
-        "ms_sdpa_no_gather": ms_sdpa,
-        "tflops_triton": flops / (ms_triton * 1e-3) / 1e12,
-        "rel_err_vs_sdpa": err,
-        "cfg": ta._extend_config(d, dtype, torch.device(dev)),
-        "sweep": sweep_res,
+            src = subprocess.run(["git", "-C", str(REPO), "show", f"{ref}:hf_radix/kernels/triton_extend.py"],
+                                 capture_output=True, text=True, check=True, timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_loader("hf_radix.kernels._extend_before", loader=None)
+    mod = importlib.util.module_from_spec(spec)
+    mod.__package__ = "hf_radix.kernels"
+    path = Path(tempfile.gettempdir()) / f"hf_radix_extend_{ref}.py"  # triton.jit needs the source in a file
+    path.write_text(src)
+    exec(compile(src, str(path), "exec"), mod.__dict__)  # noqa: S102 - our own file at a known commit
+    return mod.extend_attention
+
+
+def extend_shape(name: str, rows: list[tuple[int, int, int]], num_prefixes: int, page_size: int = 1,
+                 hq: int = 32, hkv: int = 8, d: int = 128, seed: int = 0, device: str = "cuda",
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """Inputs of one extend call: ``rows`` = (prefix group, cached, new) per row; rows of one group share
+    their cached prefix's slots (as the radix tree makes them), on shuffled pages. Llama-3.1-8B heads,
+    bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    dev = device
+    prefix_len = [max(c for g_, c, _ in rows if g_ == g) for g in range(num_prefixes)]
+    new_total = sum(n for _, _, n in rows)
+    pages = shuffled_slots(1, sum(prefix_len) + new_total + page_size, page_size, gen)[0]
+    starts = [sum(prefix_len[:g]) for g in range(num_prefixes)]
+    prefix_slots = [pages[s:s + n] for s, n in zip(starts, prefix_len, strict=True)]
+    new_slots = pages[sum(prefix_len):sum(prefix_len) + new_total]
+    pool = torch.randn((2, len(pages) + page_size, hkv, d), generator=gen).to(device=dev, dtype=dtype)
+    q = torch.randn((new_total, hq, d), generator=gen).to(device=dev, dtype=dtype)
+    k_new = torch.randn((new_total, hkv, d), generator=gen).to(device=dev, dtype=dtype)
+    v_new = torch.randn((new_total, hkv, d), generator=gen).to(device=dev, dtype=dtype)
+    pool[0][new_slots.to(dev).long()] = k_new
+    pool[1][new_slots.to(dev).long()] = v_new
+    news = torch.tensor([n for _, _, n in rows])
+    zero = torch.zeros(1, dtype=torch.long)
+    cached = torch.tensor([c for _, c, _ in rows])
+    kv_lists = [prefix_slots[g][:c] for g, c, _ in rows]
+    return {
+        "name": name, "rows": rows, "q": q, "k_new": k_new, "v_new": v_new, "k_cache": pool[0],
+        "v_cache": pool[1],
+        "qo_indptr": torch.cat([zero, news.cumsum(0)]).to(dev, torch.int32),
+        "prefix_lens": cached.to(dev, torch.int32),
+        "prefix_kv_indices": torch.cat(kv_lists).to(dev, torch.int32),
+        "prefix_kv_indptr": torch.cat([zero, cached.cumsum(0)]).to(dev, torch.int32),
+        "max_new_len": int(news.max()), "max_prefix_len": int((cached + news).max()),
+        "flops": 4 * hq * d * float((news * cached + news * (news + 1) / 2).sum()),
     }
-    print(
-        f"extend {rows}x({cached}+{new}) p{page_size:<2} d{d}: triton {ms_triton * 1e3:7.1f} us "
-        f"({res['tflops_triton']:.0f} TFLOP/s)  "
-        f"sdpa+gather {ms_sdpa_gather * 1e3:7.1f} us  sdpa {ms_sdpa * 1e3:7.1f} us  err {err:.1e}",
-        flush=True,
-    )
-    return res
 
 
-def bench_extend(quick: bool) -> list[dict[str, Any]]:
-    gen = torch.Generator().manual_seed(1)
-    results = []
-    for page_size in (16,) if quick else (1, 16):
-        results.append(_extend_one(page_size, gen, sweep=not quick and page_size == 16))
+def extend_shapes(seed: int = 0) -> list[dict[str, Any]]:
+    """The shapes of hf_radix's prefill calls measured on the H200 (bench/results/profile_h200.log)."""
+    gen = torch.Generator().manual_seed(seed)
+    short = torch.randint(5, 20, (650,), generator=gen).tolist()  # ~12 new tokens a row
+    return [
+        # gsp prefill: 256 prompts' 256-token suffixes behind their group's cached 2,048 tokens (8 groups)
+        extend_shape("gsp_suffix_256x(2048+256)", [(i // 32, 2048, 256) for i in range(256)], 8),
+        # one gsp prefill forward as the runner makes it: 32 suffixes plus 160 decoding rows riding along
+        extend_shape("gsp_mixed_32x(2048+256)+160x(2304+1)",
+                     [(i // 4, 2048, 256) for i in range(32)] + [(i % 8, 2304, 1) for i in range(160)], 8),
+        # 5-shot scoring: questions after a cached few-shot prefix
+        extend_shape("score_650x(1600+~12)", [(0, 1600, n) for n in short], 1),
+        extend_shape("score_80x(1500+100)", [(0, 1500, 100) for _ in range(80)], 1),
+        # generate's time to first token: one question after a long cached prefix (split prefix)
+        extend_shape("ttft_1x(4096+64)", [(0, 4096, 64)], 1),
+    ]
+
+
+def _extend_call(fn: Any, s: dict[str, Any], **kw: Any) -> torch.Tensor:
+    return fn(s["q"], s["k_new"], s["v_new"], s["k_cache"], s["v_cache"], s["qo_indptr"], s["prefix_lens"],
+              s["prefix_kv_indices"], s["prefix_kv_indptr"], s["q"].shape[-1] ** -0.5,
+              max_new_len=s["max_new_len"], max_prefix_len=s["max_prefix_len"], **kw)
+
+
+def _extend_reference(s: dict[str, Any], row_ids: list[int]) -> dict[int, torch.Tensor]:
+    """fp32 SDPA outputs of a few rows (K/V gathered, query heads expanded)."""
+    out = {}
+    scaling = s["q"].shape[-1] ** -0.5
+    group = s["q"].shape[1] // s["k_new"].shape[1]
+    for i in row_ids:
+        a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
+        p0, p1 = int(s["prefix_kv_indptr"][i]), int(s["prefix_kv_indptr"][i + 1])
+        slots = s["prefix_kv_indices"][p0:p1].long()
+        k = torch.cat([s["k_cache"][slots], s["k_new"][a:b]]).float().repeat_interleave(group, 1)
+        v = torch.cat([s["v_cache"][slots], s["v_new"][a:b]]).float().repeat_interleave(group, 1)
+        qpos = torch.arange(p1 - p0, p1 - p0 + b - a, device=k.device)[:, None]
+        mask = torch.arange(k.shape[0], device=k.device)[None, :] <= qpos
+        o = F.scaled_dot_product_attention(s["q"][a:b].float().transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), attn_mask=mask, scale=scaling)
+        out[i] = o.transpose(0, 1)
+    return out
+
+
+def _rel_err(out: torch.Tensor, s: dict[str, Any], ref: dict[int, torch.Tensor]) -> float:
+    num = den = 0.0
+    for i, r in ref.items():
+        a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
+        num += float((out[a:b].float() - r).norm() ** 2)
+        den += float(r.norm() ** 2)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def _time_extend(s: dict[str, Any], fn: Any, cfgs: list[dict[str, int]] | None,
+                 **kw: Any) -> tuple[float, torch.Tensor]:
+    triton_extend._EXTEND_CFG_OVERRIDE = cfgs
+    try:
+        out = _extend_call(fn, s, **kw)
+        return bench(lambda: _extend_call(fn, s, **kw)), out
+    finally:
+        triton_extend._EXTEND_CFG_OVERRIDE = None
+
+
+def bench_extend(quick: bool, old_ref: str, old_file: str | None = None) -> dict[str, Any]:
+    """Each shape: the earlier kernel (``old_file``, else git ``old_ref``'s), the committed default, and
+    (unless quick) every config list of EXTEND_SWEEP and the unpacked layout; ms, TFLOP/s, error vs fp32
+    SDPA."""
+    old = _load_old_extend(old_ref, old_file)
+    if old is None:
+        print(f"extend: git cannot show {old_ref} (pass --old-file); timing the new kernel only", flush=True)
+    elif old_file is not None:
+        old_ref = old_file
+    results: list[dict[str, Any]] = []
+    for s in extend_shapes():
+        n = len(s["rows"])
+        ref = _extend_reference(s, sorted({0, n // 3, n - 1}))
+        variants: list[tuple[str, Any, Any, dict[str, Any]]] = []
+        if old is not None:
+            variants.append((f"before ({old_ref})", old, None, {}))
+        variants += [(_cfg_label(c), ta.extend_attention, c, {}) for c in (EXTEND_SWEEP[:1] if quick else
+                                                                            EXTEND_SWEEP)]
+        if not quick:
+            variants.append(("default, unpacked heads", ta.extend_attention, None, {"pack_gqa": False}))
+        for label, fn, cfgs, kw in variants:
+            try:
+                ms, out = _time_extend(s, fn, cfgs, **kw)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
+                print(f"extend {s['name']:<40} {label:<44} failed: {str(exc)[:160]}", flush=True)
+                results.append({"shape": s["name"], "variant": label, "error": str(exc)[:400]})
+                continue
+            rec = {"shape": s["name"], "variant": label, "cfgs": cfgs, "ms": ms,
+                   "tflops": s["flops"] / (ms * 1e-3) / 1e12, "rel_err_vs_fp32_sdpa": _rel_err(out, s, ref),
+                   "tokens": int(s["q"].shape[0]), "rows": n}
+            results.append(rec)
+            print(f"extend {s['name']:<40} {label:<44} {ms * 1e3:9.1f} us  {rec['tflops']:6.1f} TFLOP/s  "
+                  f"err {rec['rel_err_vs_fp32_sdpa']:.1e}", flush=True)
+        del s
         torch.cuda.empty_cache()
-    if not quick:  # Gemma-2-like heads (16 q / 8 kv, head_dim 256)
-        results.append(_extend_one(16, gen, sweep=True, d=256))
-    # generate's time-to-first-token shape: one question after a cached few-shot prefix
-    splits = (1, 2, 4, 8, 16, 32)
-    results.append(_extend_one(1, gen, sweep=True, rows=1, cached=4096, new=64, split_sweep=splits))
-    return results
+    return {"old_ref": old_ref, "default_cfgs": triton_extend._extend_configs(128, torch.bfloat16,
+                                                                           torch.device("cuda")),
+            "cases": results, "best": _best_extend(results)}
+
+
+def _best_extend(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Fastest variant per shape, and the config list with the least total time over all shapes."""
+    ok = [r for r in results if "ms" in r]
+    per_shape = {}
+    for r in ok:
+        if r["shape"] not in per_shape or r["ms"] < per_shape[r["shape"]]["ms"]:
+            per_shape[r["shape"]] = {"variant": r["variant"], "ms": r["ms"], "tflops": r["tflops"]}
+    shapes = set(per_shape)
+    totals: dict[str, float] = {}
+    for label in {r["variant"] for r in ok}:
+        mine = {r["shape"]: r["ms"] for r in ok if r["variant"] == label}
+        if set(mine) == shapes:
+            totals[label] = sum(mine.values())
+    overall = min(totals, key=totals.get) if totals else None
+    return {"per_shape": per_shape, "total_ms": totals, "overall": overall}
+
+
+def print_extend_summary(ext: dict[str, Any]) -> None:
+    by = {(r["shape"], r["variant"]): r for r in ext["cases"] if "ms" in r}
+    before = next((v for _, v in by if v.startswith("before")), None)
+    for shape, best in ext["best"]["per_shape"].items():
+        new = by.get((shape, "default"))
+        old = by.get((shape, before)) if before else None
+        line = f"extend {shape:<40}"
+        if new:
+            line += f" default {new['ms'] * 1e3:8.1f} us {new['tflops']:5.0f} TFLOP/s"
+        if old and new:
+            line += f" | before {old['ms'] * 1e3:8.1f} us  x{old['ms'] / new['ms']:.2f}"
+        print(line + f" | best {best['variant']} {best['ms'] * 1e3:.1f} us")
+    if ext["best"]["total_ms"]:
+        print("extend config lists by total time over the shapes:")
+        for label, total in sorted(ext["best"]["total_ms"].items(), key=lambda kv: kv[1]):
+            print(f"  {total * 1e3:9.1f} us  {label}")
+        print(f"extend best overall: {ext['best']['overall']}")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -462,6 +548,10 @@ def main() -> None:
     ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--only", choices=["decode", "extend", "store"], default=None)
+    ap.add_argument("--old-ref", default="710e311",
+                    help="git commit whose extend kernel is timed as 'before' (default: before the rework)")
+    ap.add_argument("--old-file", default=None,
+                    help="an earlier triton_extend.py to time as 'before' (where the checkout has no .git)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_bench.py needs a CUDA device")
@@ -480,7 +570,7 @@ def main() -> None:
         if not args.quick:
             results["decode_d256"] = bench_decode_d256()
     if args.only in (None, "extend"):
-        results["extend"] = bench_extend(args.quick)
+        results["extend"] = bench_extend(args.quick, args.old_ref, args.old_file)
 
     print("\n=== summary ===")
     print(f"{'benchmark':<44} {'time (us)':>10}  note")
@@ -505,17 +595,8 @@ def main() -> None:
         if r["default"]:
             print(f"{'decode d256 B64x4096 p16 splits=' + str(r['splits']):<44} {r['ms'] * 1e3:>10.1f}  "
                   f"{r['frac_peak']:.0%} of 4.3 TB/s")
-    for r in results.get("extend", []):
-        label = f"extend {r['rows']}x({r['cached']}+{r['new']}) d{r['head_dim']} p{r['page_size']} triton"
-        print(f"{label:<44} {r['ms_triton'] * 1e3:>10.1f}  {r['tflops_triton']:.0f} TFLOP/s")
-        print(
-            f"{'  sdpa (gather included)':<44} {r['ms_sdpa_with_gather'] * 1e3:>10.1f}  "
-            f"x{r['ms_sdpa_with_gather'] / r['ms_triton']:.2f} vs triton"
-        )
-        print(
-            f"{'  sdpa (pre-gathered)':<44} {r['ms_sdpa_no_gather'] * 1e3:>10.1f}  "
-            f"x{r['ms_sdpa_no_gather'] / r['ms_triton']:.2f} vs triton"
-        )
+    if "extend" in results:
+        print_extend_summary(results["extend"])
     s = results.get("store")
     if s:
         print(f"{'store first build (nvcc)':<44} {s['first_build_s'] * 1e6:>10.0f}")

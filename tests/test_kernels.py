@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from interpreter import assert_check_passed, interpreter_report, report_checks
 
 # --------------------------------------------------------------------------------------------------------
@@ -226,6 +228,23 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                            dict(pack_gqa=True, num_splits=3,
                                 _cfg={"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})),
     "extend_splits_auto": ("extend", dict(rows=[(600, 4)], hq=2, hkv=2, d=16), dict(max_prefix_len=600)),
+    # rows of 1..100 new tokens behind prefixes of several lengths (an empty one too), four query heads per
+    # KV head packed: short rows take the one-tile-per-row launch, long ones the tiles mapped onto rows
+    "extend_row_classes": ("extend", dict(rows=[(37, 1), (0, 100), (5, 3), (64, 1), (0, 2), (130, 17),
+                                                (9, 64), (0, 1)], hq=8, hkv=2, d=16, page_size=4), {}),
+    "extend_row_classes_splits_window": (
+        "extend", dict(rows=[(50, 1), (0, 20), (33, 6), (40, 45)], hq=8, hkv=2, d=16, sinks=True),
+        dict(num_splits=2, sliding_window=30,
+             _cfg=[{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                   {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                   {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]),
+    ),
+    # decode-like rows only: one launch, one program per row and KV head
+    "extend_decode_like": ("extend", dict(rows=[(40, 1), (0, 1), (7, 2)], hq=4, hkv=1, d=16, page_size=2),
+                           {}),
+    # no max_new_len: every class launches and the tiles are found on the device alone
+    "extend_no_max_new_len": ("extend", dict(rows=[(3, 50), (21, 2), (0, 9)], hq=6, hkv=2, d=16),
+                              dict(_no_max_new=True)),
     "decode_splits": ("decode", dict(seq_lens=[1, 37, 70, 16], hq=8, hkv=2, d=16, page_size=4),
                       dict(num_kv_splits=3)),
     "decode_auto": ("decode", dict(seq_lens=[33, 5], hq=4, hkv=4, d=24, page_size=1), {}),
@@ -264,6 +283,8 @@ def _run_case(name: str) -> dict[str, Any]:
     kind, bkw, kkw = INTERP_CASES[name]
     kkw = dict(kkw)
     cfg = kkw.pop("_cfg", None)
+    if kind == "extend" and not kkw.pop("_no_max_new", False):
+        kkw["max_new_len"] = max(n for _, n in bkw["rows"])
     scaling = 1.0 / math.sqrt(bkw["d"])
     t0 = time.time()
     if kind == "extend":
@@ -351,6 +372,32 @@ def test_pick_num_kv_splits() -> None:
     assert pick_num_kv_splits(1, 8, 32768) == 33
     assert pick_num_kv_splits(1, 8, 100) == 1
     assert 1 <= pick_num_kv_splits(4, 8, 4096) <= 16
+
+
+def test_extend_row_classes() -> None:
+    from hf_radix.kernels.triton_extend import _NO_BOUND, _row_classes
+
+    c16, c64, c128 = ({"BLOCK_M": m, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1} for m in (16, 64, 128))
+    assert _row_classes([c16, c64, c128], 1000) == [(c16, 0, 16, True), (c64, 16, 64, True),
+                                                     (c128, 64, _NO_BOUND, False)]
+    assert _row_classes([c16, c64, c128], 64) == [(c16, 0, 16, True), (c64, 16, _NO_BOUND, True)]
+    assert _row_classes([c16, c64, c128], 3) == [(c16, 0, _NO_BOUND, True)]
+    assert _row_classes([c128], 3) == [(c128, 0, _NO_BOUND, False)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(new_lens=st.lists(st.integers(0, 300), min_size=1, max_size=20), group=st.integers(1, 8),
+       block_m=st.sampled_from([16, 32, 64, 128]))
+def test_extend_tiles_cover_every_row(new_lens: list[int], group: int, block_m: int) -> None:
+    """The kernel's tile layout (``_tile_row``): row i owns tiles [i + qo[i]*G//BM, i+1 + qo[i+1]*G//BM),
+    which hold its new_len*G query rows, and B + T*G//BM tiles cover all rows."""
+    qo = [0]
+    for n in new_lens:
+        qo.append(qo[-1] + n)
+    starts = [i + qo[i] * group // block_m for i in range(len(qo))]
+    assert starts[0] == 0 and starts[-1] == len(new_lens) + qo[-1] * group // block_m
+    for i, n in enumerate(new_lens):
+        assert (starts[i + 1] - starts[i]) * block_m >= n * group
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -17,25 +17,30 @@ from hf_radix.kernels import triton_attention_common, triton_decode, triton_exte
 SM90 = backends.GPUTarget("cuda", 90, 32)
 
 
-def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
+             aligned: tuple[str, ...] = ()):
+    """Compiles for sm_90; ``aligned`` arguments are multiples of 16 (as a launch finds pool strides)."""
     signature = {
         name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names
     }
-    source = compiler.ASTSource(fn, signature, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
+    source = compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 @pytest.mark.parametrize(
-    "window,softcap,head_dim,head_dim_v,direct,pack,sinks",
+    "window,softcap,head_dim,head_dim_v,direct,pack,sinks,block_m,row_grid",
     [
-        (False, False, 128, 128, True, False, False),
-        (False, False, 128, 128, False, True, False),
-        (True, True, 96, 96, False, True, True),
-        (False, False, 128, 64, True, False, False),  # MLA-style: V narrower than K
+        (False, False, 128, 128, True, False, False, 128, False),
+        (False, False, 128, 128, False, True, False, 128, False),
+        (False, False, 128, 128, True, True, False, 16, True),  # short rows: one small tile per row
+        (True, True, 96, 96, False, True, True, 64, True),
+        (False, False, 128, 64, True, False, False, 128, False),  # MLA-style: V narrower than K
     ],
 )
 def test_extend_kernel_compiles_for_sm90(
-    window: bool, softcap: bool, head_dim: int, head_dim_v: int, direct: bool, pack: bool, sinks: bool
+    window: bool, softcap: bool, head_dim: int, head_dim_v: int, direct: bool, pack: bool, sinks: bool,
+    block_m: int, row_grid: bool,
 ) -> None:
     pointers = {name: "*bf16" for name in ("Q", "K_new", "V_new", "K_cache", "V_cache", "Out")}
     pointers.update({name: "*i32" for name in ("qo_indptr", "prefix_lens", "prefix_kv_indptr")})
@@ -44,11 +49,18 @@ def test_extend_kernel_compiles_for_sm90(
     constexprs = dict(
         GROUP=4, HEAD_DIM=head_dim, BLOCK_D=128, HEAD_DIM_V=head_dim_v,
         BLOCK_DV=triton.next_power_of_2(head_dim_v),
-        BLOCK_M=128, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
-        HAS_SINKS=sinks, DOT_PREC="tf32",
+        BLOCK_M=block_m, BLOCK_N=64, USE_WINDOW=window, SOFTCAP=softcap, DIRECT=direct, PACK_GQA=pack,
+        ROW_GRID=row_grid, HAS_SINKS=sinks, DOT_PREC="tf32",
     )
-    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=8, num_stages=3)
-    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    warps = 8 if block_m == 128 else 4
+    aligned = (*pointers, "stride_qt", "stride_qh", "stride_knt", "stride_knh", "stride_vnt", "stride_vnh",
+               "stride_kct", "stride_kch", "stride_vct", "stride_vch", "stride_ot", "stride_oh")
+    kernel = _compile(triton_extend._extend_kernel, pointers, constexprs, num_warps=warps, num_stages=3,
+                      aligned=aligned)
+    ptx = kernel.asm["ptx"]
+    assert "mma" in ptx and kernel.asm["cubin"]
+    if head_dim % 16 == 0 and head_dim_v % 16 == 0:  # K/V tiles stream through shared memory, pipelined
+        assert "cp.async" in ptx
 
 
 @pytest.mark.parametrize("direct", [True, False])

@@ -89,6 +89,41 @@ def test_extend_bf16(name: str, kw: dict[str, Any]) -> None:
     assert err <= REL_TOL_BF16
 
 
+def _compiled_variants(fn: Any) -> int:
+    """How many variants of a Triton kernel are compiled (all devices; the first entry of each device's
+    cache tuple is its kernel cache in Triton 3.2 to 3.9)."""
+    if not hasattr(fn, "device_caches"):
+        pytest.skip("this Triton keeps its compiled kernels elsewhere")
+    return sum(len(cache[0]) for cache in fn.device_caches.values())
+
+
+def test_no_recompiles_for_new_lengths() -> None:
+    """Once each row class and the direct / split epilogues have run, new lengths, row counts and split
+    counts reuse the compiled extend and decode kernels (nothing about a length is specialized on)."""
+    from hf_radix.kernels import triton_decode, triton_extend
+
+    geo = dict(hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16, device="cuda")
+    warm = H.make_extend_case(rows=[(2048, 256), (100, 1), (50, 10)], seed=5, **geo)
+    for splits in (1, 3):
+        H.run_extend(warm, 128**-0.5, max_new_len=256, num_splits=splits)
+    for splits in (1, 3):
+        H.run_decode(H.make_decode_case(seq_lens=[5, 300], seed=5, **geo), 128**-0.5, num_kv_splits=splits)
+    torch.cuda.synchronize()
+    before = _compiled_variants(triton_extend._extend_kernel), _compiled_variants(
+        triton_decode._decode_stage1_kernel)
+    for rows, splits in (([(1000, 33), (7, 2), (300, 12), (0, 5), (64, 90)], 5), ([(1600, 12)] * 9, 1),
+                         ([(16, 1)] * 17, 2), ([(4096, 64)], 16), ([(0, 700), (3, 1)], 1)):
+        case = H.make_extend_case(rows=rows, seed=6, **geo)
+        out = H.run_extend(case, 128**-0.5, max_new_len=max(n for _, n in rows), num_splits=splits)
+        assert H.rel_err(out, H.ref_extend(case, 128**-0.5)) <= REL_TOL_BF16
+    for lens, splits in (([1, 17, 2048, 4000], 7), ([33] * 65, 1), ([9000], 16), ([2, 3], 2)):
+        H.run_decode(H.make_decode_case(seq_lens=lens, seed=6, **geo), 128**-0.5, num_kv_splits=splits)
+    torch.cuda.synchronize()
+    after = _compiled_variants(triton_extend._extend_kernel), _compiled_variants(
+        triton_decode._decode_stage1_kernel)
+    assert after == before, f"compiled variants (extend, decode) grew from {before} to {after}"
+
+
 @pytest.mark.parametrize("name,kw", _ids(DECODE_CASES, DECODE_KW))
 def test_decode_bf16(name: str, kw: dict[str, Any]) -> None:
     case = H.make_decode_case(**DECODE_CASES[name], dtype=torch.bfloat16, device="cuda", seed=4)

@@ -28,9 +28,9 @@ import torch
 
 from .triton_attention_common import pick_num_kv_splits
 from .triton_decode import _decode_config, decode_attention
-from .triton_extend import PACK_GQA_MAX_NEW, _extend_config, extend_attention
+from .triton_extend import _extend_config, extend_attention
 
-__all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs", "PACK_GQA_MAX_NEW"]
+__all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
 
 
 def kernel_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:

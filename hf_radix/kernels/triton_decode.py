@@ -62,7 +62,7 @@ def _decode_loop(
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])  # vary with the batch: no recompiles
 def _decode_stage1_kernel(
     Q, K_cache, V_cache, kv_indices, kv_indptr, Mid_o, Mid_lse, Out, Sinks,
     qk_scale, cap_scale, window, num_splits,

@@ -2,9 +2,13 @@
 
 Each row has ``prefix_lens[i]`` cached tokens (read from the pool through ``prefix_kv_indices``) followed
 by new tokens (read from the contiguous ``k_new``/``v_new``). One program computes a ``BLOCK_M`` x
-``head_dim`` output tile for one query head with an online softmax. Few short query blocks over long
-prefixes (a question after a cached few-shot prefix) split each prefix into chunks computed in parallel,
-merged as in decode.
+``head_dim`` output tile with an online softmax: by default its rows are (token, head) pairs of the query
+heads that share one KV head, so K/V are read once per KV head. Rows are sorted into classes by length
+on the device: short rows (decode tokens riding along in a prefill, few-token questions) get one small
+tile each, longer rows large tiles laid out over the rows from ``qo_indptr``, so no row pays for the
+longest one and nothing depends on host-side lengths. Few short query blocks over long prefixes (a
+question after a cached few-shot prefix) split each prefix into chunks computed in parallel, merged as in
+decode.
 """
 
 from __future__ import annotations
@@ -35,12 +39,11 @@ from .triton_attention_common import (
     pick_num_kv_splits,
 )
 
-__all__ = ["extend_attention", "PACK_GQA_MAX_NEW"]
+__all__ = ["extend_attention"]
 
-PACK_GQA_MAX_NEW = 128  # extends of at most this many new tokens per row pack grouped query heads
-
-# Optional launch-config override (tests / benchmarks): keys BLOCK_M, BLOCK_N, num_warps, num_stages.
-_EXTEND_CFG_OVERRIDE: dict[str, int] | None = None
+# Optional launch-config override (tests / benchmarks): a config (keys BLOCK_M, BLOCK_N, num_warps,
+# num_stages) or a list of them, one per row class (see _extend_configs).
+_EXTEND_CFG_OVERRIDE: dict[str, int] | list[dict[str, int]] | None = None
 # Used when the tuned config does not fit the device (e.g. less shared memory than an H100/H200).
 _EXTEND_SAFE_CFG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
@@ -104,25 +107,24 @@ def _extend_new_tokens(
     acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, q_rel,
     kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
     offs_n, offs_d, offs_dv, d_mask, dv_mask,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     """Attend (causally) over the row's new tokens, read from the contiguous k_new / v_new.
 
-    The block's queries are the new tokens ``first_tok..last_tok``; with ``ALIGNED`` (``first_tok`` a
-    multiple of BLOCK_N) the blocks strictly below the diagonal skip masking.
+    The tile's queries are the new tokens ``first_tok..last_tok``: key blocks wholly before ``first_tok``
+    need no mask (without a window), the blocks up to the diagonal do.
     """
     diag_hi = tl.minimum(last_tok + 1, new_len)
-    lo = first_tok * 0
     if USE_WINDOW:
         lo = tl.maximum(first_tok - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
-    elif ALIGNED:
+    else:
+        lo = (first_tok // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _extend_new_loop(
-            acc, l_i, m_i, q, K_new, V_new, tok0, 0, first_tok, new_len, q_rel,
+            acc, l_i, m_i, q, K_new, V_new, tok0, 0, lo, new_len, q_rel,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
             offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        lo = first_tok
     acc, l_i, m_i = _extend_new_loop(
         acc, l_i, m_i, q, K_new, V_new, tok0, lo, diag_hi, new_len, q_rel,
         kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
@@ -131,47 +133,70 @@ def _extend_new_tokens(
 
 
 @triton.jit
+def _tile_row(qo_indptr, num_rows, tile, GP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The row that owns query tile ``tile``: row ``i`` owns the tiles from ``i + qo_indptr[i] * GP //
+    BLOCK_M`` on (at least enough for its ``new_len * GP`` query rows), so ``B + T * GP // BLOCK_M`` tiles
+    cover any split of ``T`` tokens into ``B`` rows."""
+    count = tile * 0
+    for b0 in range(0, num_rows, BLOCK_B):
+        offs = b0 + tl.arange(0, BLOCK_B)
+        ok = offs < num_rows
+        starts = tl.load(qo_indptr + offs, mask=ok, other=0) * GP // BLOCK_M + offs
+        count += tl.sum((ok & (starts <= tile)).to(tl.int32), 0)
+    row = count - 1
+    return row, tile - (row + tl.load(qo_indptr + row) * GP // BLOCK_M)
+
+
+# Values that change with the batch (row count, split count and the partial-result strides that follow from
+# it) are not specialized on, so new lengths and batch sizes never compile a new variant.
+@triton.jit(do_not_specialize=["num_splits", "num_rows", "stride_lt", "stride_lh"])
 def _extend_kernel(
     Q, K_new, V_new, K_cache, V_cache, Out, Mid_o, Mid_lse, Sinks,
     qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
-    qk_scale, cap_scale, window, num_splits,
+    qk_scale, cap_scale, window, num_splits, num_rows, len_lo, len_hi,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK_GQA: tl.constexpr, ROW_GRID: tl.constexpr,
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # Grid (heads, rows, m_blocks * num_splits). A program computes BLOCK_M query rows: BLOCK_M new tokens
-    # of one query head, or with PACK_GQA (few new tokens) BLOCK_M (token, head) pairs of the query heads
-    # that share one KV head, so each K/V tile is loaded once for all of them. Heads sharing K/V run back
-    # to back (L2 reuse); the last (heaviest, causal) query blocks of every row are scheduled first. With
-    # num_splits > 1 each program covers one chunk of the cached prefix (the last one also the new tokens)
-    # and writes a partial result that the merge kernel combines.
-    row = tl.program_id(1)
-    split = tl.program_id(2) % num_splits
-    mblk = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
-    m_start = mblk * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    if PACK_GQA:
-        kvh = tl.program_id(0)
-        tok = offs_m // GROUP
-        heads = kvh * GROUP + offs_m % GROUP
-        first_tok = m_start // GROUP
-        last_tok = (m_start + BLOCK_M - 1) // GROUP
+    # Grid (tiles * num_splits, heads). A program computes one BLOCK_M-row query tile: BLOCK_M new tokens
+    # of one query head, or with PACK_GQA BLOCK_M (token, head) pairs of the query heads that share one KV
+    # head, so each K/V tile is loaded once for all of them. A launch serves the rows whose query rows
+    # (new tokens, times the group when packed) number in (len_lo, len_hi]: with ROW_GRID one program per
+    # row (short rows, one tile each), else tiles mapped onto rows on the device (see _tile_row), so no
+    # row pays for the longest one. The last (heaviest, causal) tiles are scheduled first. With
+    # num_splits > 1 each program covers one chunk of the cached prefix (the last one also the new
+    # tokens) and writes a partial result that the merge kernel combines.
+    GP: tl.constexpr = GROUP if PACK_GQA else 1
+    split = tl.program_id(0) % num_splits
+    if ROW_GRID:
+        row = tl.program_id(0) // num_splits
+        mblk = row * 0
     else:
-        kvh = tl.program_id(0) // GROUP
-        tok = offs_m
-        heads = tl.program_id(0) + offs_m * 0
-        first_tok = m_start
-        last_tok = m_start + BLOCK_M - 1
-
+        tile = tl.num_programs(0) // num_splits - 1 - tl.program_id(0) // num_splits
+        row, mblk = _tile_row(qo_indptr, num_rows, tile, GP, BLOCK_M, 256)
     tok0 = tl.load(qo_indptr + row)
     new_len = tl.load(qo_indptr + row + 1) - tok0
-    if first_tok >= new_len:
+    m_start = mblk * BLOCK_M
+    q_rows = new_len * GP
+    if (q_rows <= len_lo) | (q_rows > len_hi) | (m_start >= q_rows):
         return
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    if PACK_GQA:
+        kvh = tl.program_id(1)
+        tok = offs_m // GROUP
+        heads = kvh * GROUP + offs_m % GROUP
+    else:
+        kvh = tl.program_id(1) // GROUP
+        tok = offs_m
+        heads = tl.program_id(1) + offs_m * 0
+    first_tok = m_start // GP
+    last_tok = (m_start + BLOCK_M - 1) // GP
+
     prefix_len = tl.load(prefix_lens + row)
     kv_base = tl.load(prefix_kv_indptr + row)
     EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
@@ -222,8 +247,7 @@ def _extend_kernel(
         acc, l_i, m_i = _extend_new_tokens(
             acc, l_i, m_i, q, K_new, V_new, tok0, first_tok, last_tok, new_len, tok,
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, not PACK_GQA, BLOCK_N,
-            DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     st_mask = m_mask[:, None] & dv_mask[None, :]
     if DIRECT:
@@ -240,19 +264,32 @@ def _extend_kernel(
         tl.store(Mid_lse + q_tok * stride_lt + heads * stride_lh + split, lse, mask=m_mask)
 
 
-def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def _extend_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> list[dict[str, int]]:
+    """Launch configs, one per class of rows, by increasing BLOCK_M: every class but the last serves the
+    rows whose query rows fit one of its tiles (and not the previous class's); the last serves the rest."""
     if _EXTEND_CFG_OVERRIDE is not None:
-        return dict(_EXTEND_CFG_OVERRIDE)
+        over = _EXTEND_CFG_OVERRIDE
+        return [dict(c) for c in (over if isinstance(over, (list, tuple)) else [over])]
     if device.type != "cuda" or interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}]
     block_d = triton.next_power_of_2(head_dim)
     if dtype == torch.float32:
-        return {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return [{"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}]
     if block_d <= 64:
-        return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+        return [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}]
     if block_d <= 128:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        return [{"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}]
+    return [{"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+            {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}]
+
+
+def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """The config of the longest rows' class (for logging / benchmarks)."""
+    return _extend_configs(head_dim, dtype, device)[-1]
 
 
 def extend_attention(
@@ -281,11 +318,12 @@ def extend_attention(
     qo_indptr ``[B+1]``; prefix_lens ``[B]``; prefix_kv_indices/prefix_kv_indptr: CSR slot lists of each
     row's cached prefix. Returns ``[T, Hq, Dv]``. ``sinks`` ``[Hq]``: attention-sink logits (gpt-oss), one
     extra key per head that takes softmax mass and contributes no value.
-    Pass ``max_new_len`` (max over rows of new tokens) to avoid a device->host sync. A bound on the
-    prefix length (``max_prefix_len``) lets few, short query blocks over long prefixes split each prefix
-    into ``num_splits`` chunks run in parallel (default: enough to fill the GPU; without a bound, one).
-    ``pack_gqa`` computes the query heads sharing a KV head together (default: for at most
-    ``PACK_GQA_MAX_NEW`` new tokens per row, when heads are grouped).
+    The work is laid out on the device from ``qo_indptr`` (no device->host sync, no recompiles for new
+    lengths); ``max_new_len`` (max over rows of new tokens), when given, skips launches for row classes
+    that cannot occur. A bound on the prefix length (``max_prefix_len``) lets few, short query blocks over
+    long prefixes split each prefix into ``num_splits`` chunks run in parallel (default: enough to fill
+    the GPU; without a bound, one). ``pack_gqa`` computes the query heads sharing a KV head together
+    (default: whenever heads are grouped).
     """
     hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     t = q.shape[0]
@@ -302,29 +340,26 @@ def extend_attention(
     q, k_new, v_new = _last_dim_contig(q), _last_dim_contig(k_new), _last_dim_contig(v_new)
     out = _check_out(out, q, dv)
     sinks, has_sinks = _sinks_log2(sinks, hq, out)
-    if t == 0 or batch == 0:
-        return out
-    if max_new_len is None:
-        max_new_len = int((qo_indptr[1:] - qo_indptr[:-1]).max().item())
-    if max_new_len <= 0:
+    if t == 0 or batch == 0 or (max_new_len is not None and max_new_len <= 0):
         return out
 
-    cfg = _extend_config(d, q.dtype, q.device)
-    if cfg["BLOCK_M"] % cfg["BLOCK_N"] != 0:
-        raise ValueError("BLOCK_M must be a multiple of BLOCK_N")
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     window, use_window = _window(sliding_window)
     group = hq // hkv
-    pack = pack_gqa if pack_gqa is not None else group > 1 and max_new_len <= PACK_GQA_MAX_NEW
+    pack = pack_gqa if pack_gqa is not None else group > 1
+    gp = group if pack else 1
     heads = hkv if pack else hq
-    m_blocks = triton.cdiv(max_new_len * (group if pack else 1), cfg["BLOCK_M"])
+    max_q_rows = t * gp if max_new_len is None else min(max_new_len, t) * gp
+    classes = _row_classes(_extend_configs(d, q.dtype, q.device), max_q_rows)
     if num_splits is None:
         num_splits = 1
         if max_prefix_len is not None:
-            span = min(max_prefix_len, window + max_new_len) if use_window else max_prefix_len
+            span = min(max_prefix_len, window + max_q_rows // gp) if use_window else max_prefix_len
+            bm = classes[-1][0]["BLOCK_M"]
+            tiles = min(batch * triton.cdiv(max_q_rows, bm), t * gp // bm + batch)
             # One wave: an extend's partial results (a tile per split) cost more than decode's.
-            num_splits = pick_num_kv_splits(batch * m_blocks, heads, span, _sm_count(q.device),
-                                            min_split_tokens=512, waves=1)
+            num_splits = pick_num_kv_splits(tiles, heads, span, _sm_count(q.device), min_split_tokens=512,
+                                            waves=1)
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
     if direct:
@@ -334,13 +369,7 @@ def extend_attention(
         mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
         mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
 
-    def grid(meta: dict[str, Any]) -> tuple[int, int, int]:
-        return (heads, batch, triton.cdiv(max_new_len * (group if pack else 1), meta["BLOCK_M"]) * num_splits)
-
-    args = (
-        q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse, sinks,
-        qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
-        qk_scale, cap_scale, window, num_splits,
+    strides = (
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), *mstrides,
@@ -348,8 +377,37 @@ def extend_attention(
     kwargs = dict(GROUP=group, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM_V=dv,
                   BLOCK_DV=triton.next_power_of_2(dv), PACK_GQA=pack, USE_WINDOW=use_window, SOFTCAP=use_cap,
                   DIRECT=direct, HAS_SINKS=has_sinks, DOT_PREC=_dot_prec(q.dtype))
-    _launch("extend", _extend_kernel, grid, cfg, _EXTEND_SAFE_CFG, d, q.dtype, args, kwargs)
+    for cfg, len_lo, len_hi, row_grid in classes:
+        def grid(meta: dict[str, Any], row_grid: bool = row_grid) -> tuple[int, int]:
+            tiles = batch if row_grid else t * gp // meta["BLOCK_M"] + batch
+            return (tiles * num_splits, heads)
+
+        args = (q, k_new, v_new, k_cache, v_cache, out, mid_o, mid_lse, sinks,
+                qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
+                qk_scale, cap_scale, window, num_splits, batch, len_lo, len_hi, *strides)
+        # a one-tile-per-row class keeps its BLOCK_M (its rows must fit one tile) in the fallback config
+        safe = dict(_EXTEND_SAFE_CFG, BLOCK_M=cfg["BLOCK_M"]) if row_grid else _EXTEND_SAFE_CFG
+        _launch(f"extend-m{cfg['BLOCK_M']}", _extend_kernel, grid, cfg, safe, d, q.dtype, args,
+                dict(kwargs, ROW_GRID=row_grid))
     if not direct:
         _merge_splits(mid_o, mid_lse, out, num_splits, sinks, has_sinks)
     return out
 
+
+_NO_BOUND = 2**31 - 1
+RowClass = tuple[dict[str, int], int, int, bool]
+
+
+def _row_classes(configs: list[dict[str, int]], max_q_rows: int) -> list[RowClass]:
+    """(config, rows' query-row count bounds (lo, hi], one program per row) per launch, for rows of at most
+    ``max_q_rows`` query rows: a class whose tile holds the longest rows ends the list. Whether a class runs
+    one program per row depends on the class alone (one compiled variant each)."""
+    classes, lo = [], 0
+    for i, cfg in enumerate(configs):
+        row_grid = i < len(configs) - 1
+        last = not row_grid or max_q_rows <= cfg["BLOCK_M"]
+        classes.append((cfg, lo, _NO_BOUND if last else cfg["BLOCK_M"], row_grid))
+        if last:
+            break
+        lo = cfg["BLOCK_M"]
+    return classes
