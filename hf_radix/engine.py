@@ -47,6 +47,7 @@ class EngineOptions:
     cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
     cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
     fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels in graphs
+    shared_prefix: bool = True  # decode reads a prefix shared by rows once per group (Triton, cost rule)
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
@@ -147,7 +148,7 @@ class RadixEngine:
             options = self.options
             self._model_runner = ModelRunner(
                 self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
-                fused_ops=options.fused_ops,
+                fused_ops=options.fused_ops, shared_prefix=options.shared_prefix,
             )
         return self._model_runner
 
@@ -243,7 +244,9 @@ def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOpti
 
 # Options read only by the forward path: a new value replaces the engine's backends (and its model-runner
 # core) and keeps its cache.
-_BACKEND_OPTIONS = ("attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops")
+_BACKEND_OPTIONS = (
+    "attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops", "shared_prefix",
+)
 
 
 def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:
