@@ -136,6 +136,9 @@ class SharedPrefixDecode:
         seq = step.prefix_lens + 1
         plan = build_shared_prefix_plan(node_ids, shared_lens, np.cumsum(seq) - seq, seq, cost=self.cost,
                                         page_size=self.engine.page_size, suffix_tile_q=1)
+        logger.debug("shared-prefix plan: %d groups over %d rows, modelled gain %.1f us a layer (%s)",
+                     plan.num_shared_groups, step.batch_size, plan.gain_s * 1e6,
+                     "shared" if plan.use_shared else "per-row")
         if not plan.use_shared:
             return None
         if step.batch_size > self.buffers.max_rows:
