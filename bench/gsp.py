@@ -6,6 +6,11 @@ workload (unrelated prompts of the same length). Building the runner warms it up
 CUDA-graph capture, timed separately: `setup`); the first run (the shared workload with other tokens) is
 reported next to the steady one, and each decode step's host time (schedule + launch) and GPU time.
 `--tiny` runs a CPU-sized self-check.
+
+`--groups16` adds a second part under the key `groups16`: 16 groups x 16 prompts, 1,024-token system
+prompt + 512-token question, 128 new tokens (same measurements; its own warm-up run first). Each part
+records `shared_prefix_steps`: decode steps whose attention read each group's prefix once (shared-prefix
+attention, the engine's counter), so a run shows it was on; `--no-shared-prefix` turns it off (A/B).
 """
 
 from __future__ import annotations
@@ -104,27 +109,74 @@ def prefill_check(model, runner: RadixBatchRunner, prompts, device: str) -> floa
     return worst
 
 
+def shared_part(model, runner: RadixBatchRunner, shape: tuple[int, int, int, int, int], hf_batch: int,
+                device: str) -> dict:
+    """The shared-prefix workload of one shape (groups, per group, system, question, new tokens): a first
+    run with other tokens, the steady run, then plain HF generate on the same prompts."""
+    groups, per_group, system_len, question_len, new_tokens = shape
+    vocab = model.config.vocab_size
+    core = runner.model_runner
+    shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
+    # warm-up: the same workload with other tokens, so kernels are compiled and the CUDA graphs of its
+    # batch shapes captured (one-time costs of a process, reported as the first run)
+    warm = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True, seed=2)
+    shared_before = core.shared_prefix_steps
+    first_run_s, _ = run_radix(runner, warm, new_tokens, device)
+    first_run_shared = core.shared_prefix_steps - shared_before
+    run_hf(model, shared[:2], 2, 2, device)
+
+    steps_before = len(runner.step_times.host_s)
+    shared_before = core.shared_prefix_steps
+    radix_s, radix_outs = run_radix(runner, shared, new_tokens, device)
+    shared_steps = core.shared_prefix_steps - shared_before
+    steps = step_summary(runner, steps_before)
+    stats = runner.stats
+    hf_s, hf_outs = run_hf(model, shared, new_tokens, hf_batch, device)
+    agree = statistics.mean(
+        sum(a == b for a, b in zip(o.token_ids, h)) / new_tokens for o, h in zip(radix_outs, hf_outs)
+    )
+    unique_tokens = groups * system_len + len(shared) * question_len
+    return {
+        "workload": f"gsp-{groups}x{per_group}",
+        "system_len": system_len,
+        "question_len": question_len,
+        "new_tokens": new_tokens,
+        "radix_s": radix_s,
+        "radix_first_run_s": first_run_s,
+        "first_run_over_steady": first_run_s / radix_s,
+        **steps,
+        "shared_prefix_steps": shared_steps,
+        "shared_prefix_steps_first_run": first_run_shared,
+        "hf_generate_s": hf_s,
+        "speedup": hf_s / radix_s,
+        "hit_rate": sum(o.cached_tokens for o in radix_outs) / sum(len(p) for p in shared),
+        "radix_output_tok_s": len(shared) * new_tokens / radix_s,
+        "hf_output_tok_s": len(shared) * new_tokens / hf_s,
+        "prompt_tokens": sum(len(p) for p in shared),
+        "unique_prompt_tokens": unique_tokens,
+        "greedy_token_agreement": agree,
+        "roofline_floor_s": unique_tokens * 2 * 8.0e9 / 790e12 + new_tokens * 16e9 / 4.3e12,
+        "runner_stats": repr(stats),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized self-check")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--hf-batch", type=int, default=128)
     parser.add_argument("--skip-zero-reuse", action="store_true")
+    parser.add_argument("--groups16", action="store_true", help="also the 16x16 variant (key groups16)")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
     parser.add_argument("--no-cuda-graph", action="store_true")
+    parser.add_argument("--no-shared-prefix", action="store_true", help="per-row decode attention only")
     args = parser.parse_args()
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
     if args.tiny:
-        groups, per_group, system_len, question_len, new_tokens, hf_batch = 2, 4, 48, 8, 4, 4
+        main_shape, g16_shape, hf_batch = (2, 4, 48, 8, 4), (4, 2, 32, 16, 4), 4
     else:
-        groups, per_group, system_len, question_len, new_tokens, hf_batch = (
-            8,
-            32,
-            2048,
-            256,
-            64,
-            args.hf_batch,
-        )
+        main_shape, g16_shape, hf_batch = (8, 32, 2048, 256, 64), (16, 16, 1024, 512, 128), args.hf_batch
+    groups, per_group, system_len, question_len, new_tokens = main_shape
     model = build_llama(args.tiny, device)
     vocab = model.config.vocab_size
     sync(device)
@@ -137,6 +189,7 @@ def main() -> None:
         overlap=not args.no_overlap,
         cuda_graph=not args.no_cuda_graph,
         profile=device == "cuda",
+        shared_prefix=not args.no_shared_prefix,
     )
     sync(device)
     setup_s = time.perf_counter() - started
@@ -152,55 +205,34 @@ def main() -> None:
         "torch": torch.__version__,
         "overlap": not args.no_overlap,
         "cuda_graph": runner.model_runner.has_graphs,
+        "shared_prefix": runner.model_runner.shared_prefix,
         "setup": {"runner_s": setup_s, **{f"warm_up_{k}": v for k, v in runner.warm_up_times.items()}},
         "command": " ".join(sys.argv),
     }
-    shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
-    # warm-up: the same workload with other tokens, so kernels are compiled and the CUDA graphs of its
-    # batch shapes captured (one-time costs of a process, reported as the first run)
-    warm = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True, seed=2)
-    first_run_s, _ = run_radix(runner, warm, new_tokens, device)
-    run_hf(model, shared[:2], 2, 2, device)
-
-    steps_before = len(runner.step_times.host_s)
-    radix_s, radix_outs = run_radix(runner, shared, new_tokens, device)
-    steps = step_summary(runner, steps_before)
-    stats = runner.stats
-    hf_s, hf_outs = run_hf(model, shared, new_tokens, hf_batch, device)
-    agree = statistics.mean(
-        sum(a == b for a, b in zip(o.token_ids, h)) / new_tokens for o, h in zip(radix_outs, hf_outs)
-    )
-    unique_tokens = groups * system_len + len(shared) * question_len
-    results["shared"] = {
-        "radix_s": radix_s,
-        "radix_first_run_s": first_run_s,
-        "first_run_over_steady": first_run_s / radix_s,
-        **steps,
-        "hf_generate_s": hf_s,
-        "speedup": hf_s / radix_s,
-        "hit_rate": sum(o.cached_tokens for o in radix_outs) / sum(len(p) for p in shared),
-        "radix_output_tok_s": len(shared) * new_tokens / radix_s,
-        "hf_output_tok_s": len(shared) * new_tokens / hf_s,
-        "prompt_tokens": sum(len(p) for p in shared),
-        "unique_prompt_tokens": unique_tokens,
-        "greedy_token_agreement": agree,
-        "roofline_floor_s": unique_tokens * 2 * 8.0e9 / 790e12 + new_tokens * 16e9 / 4.3e12,
-        "runner_stats": repr(stats),
-    }
+    results["shared"] = shared_part(model, runner, main_shape, hf_batch, device)
     print(json.dumps(results["shared"], indent=1))
     if not args.skip_zero_reuse:
         unrelated = make_prompts(groups, per_group, system_len, question_len, vocab, shared=False, seed=1)
+        shared_before = runner.model_runner.shared_prefix_steps
         radix_s, _ = run_radix(runner, unrelated, new_tokens, device)
         hf_s, _ = run_hf(model, unrelated, new_tokens, hf_batch, device)
-        results["zero_reuse"] = {"radix_s": radix_s, "hf_generate_s": hf_s, "speedup": hf_s / radix_s}
+        results["zero_reuse"] = {
+            "radix_s": radix_s, "hf_generate_s": hf_s, "speedup": hf_s / radix_s,
+            "shared_prefix_steps": runner.model_runner.shared_prefix_steps - shared_before,
+        }
         print(json.dumps(results["zero_reuse"], indent=1))
+    if args.groups16:
+        results["groups16"] = shared_part(model, runner, g16_shape, hf_batch, device)
+        print(json.dumps(results["groups16"], indent=1))
+    shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
     results["prefill_logprob_max_abs_diff"] = prefill_check(model, runner, shared[:4], device)
     print("prefill log-prob max abs diff vs HF:", results["prefill_logprob_max_abs_diff"])
-    print(f"\n{'workload':<14}{'hf_radix s':>12}{'HF generate s':>15}{'ratio':>8}")
-    for name in ("shared", "zero_reuse"):
+    print(f"\n{'workload':<14}{'hf_radix s':>12}{'HF generate s':>15}{'ratio':>8}{'shared steps':>14}")
+    for name in ("shared", "zero_reuse", "groups16"):
         if name in results:
             r = results[name]
-            print(f"{name:<14}{r['radix_s']:>12.2f}{r['hf_generate_s']:>15.2f}{r['speedup']:>8.2f}")
+            print(f"{name:<14}{r['radix_s']:>12.2f}{r['hf_generate_s']:>15.2f}{r['speedup']:>8.2f}"
+                  f"{r['shared_prefix_steps']:>14}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     print(hf_radix.cache_stats(model))

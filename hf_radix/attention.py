@@ -83,16 +83,25 @@ class TorchBackend:
 
 
 class TritonBackend:
-    """Triton paged kernels: split-KV decode for all-decode batches, paged extend otherwise."""
+    """Triton paged kernels: split-KV decode for all-decode batches, paged extend otherwise; decode batches
+    with a `shared_prefix` plan read each group's prefix once (`hf_radix.shared_decode`)."""
 
     name = "triton"
 
     def __init__(self):
-        from .kernels import triton_attention
+        from .kernels import triton_attention, triton_shared_prefix
 
         self._kernels = triton_attention
+        self._shared = triton_shared_prefix
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
+        share = batch.shared_prefix
+        if share is not None and batch.is_decode:
+            return self._shared.shared_prefix_attention(
+                q, k_cache, v_cache, batch.kv_indices, share.buffers, scaling,
+                num_prefix_splits=share.prefix_splits, sliding_window=sliding_window, softcap=softcap,
+                sinks=sinks,
+            )
         if batch.is_decode:
             return self._kernels.decode_attention(
                 q,

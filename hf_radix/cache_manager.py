@@ -132,6 +132,10 @@ class CacheManager:
             raise KeyError(f"page-table row {row} is not open")
         return int(self._allocated[row])
 
+    def row_handle(self, row: int) -> MatchHandle:
+        """The lock on the row's cached prefix: its tree node and length."""
+        return self._rows[row].handle
+
     def row_cached_len(self, row: int) -> int:
         """Length of the row's prefix held (and locked) in the tree."""
         return self._rows[row].handle.cached_len

@@ -5,6 +5,8 @@ replaying a captured graph removes that. Two kinds:
 
 * `DecodeGraphs`: one new token per row, rows padded to a bucket; a padded row is one token on the page
   table's padding row (every position: the scratch slot outside the managed pool), attending to itself.
+  Batches whose rows share cached prefixes replay graphs of their own, captured on first use, whose
+  attention reads each group's prefix once (`hf_radix.shared_decode`; static group buffers).
 * `ExtendGraphs`: a few new tokens per row over cached prefixes (a question after a cached few-shot
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -31,6 +34,7 @@ from transformers.utils import logging
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .fused_ops import fused_norm_and_rope
 from .page_table import PADDING_ROW
+from .shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -171,7 +175,7 @@ class _CapturedForwards(abc.ABC):
         lists = ("context" if self.decode else "prefix") if self.capture else "both"
         batch = build_forward_batch(self.table, padded, lists)
         if not self.capture:
-            return self.engine.run_model(batch)[:real_rows]
+            return self._forward(self._attach(key, batch))[:real_rows]
         if key not in self._graphs:
             self._graphs[key] = self._capture(key)
         graph, logits = self._graphs[key]
@@ -188,7 +192,7 @@ class _CapturedForwards(abc.ABC):
     def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         started = time.perf_counter()
         padding = self._padding_only(key)
-        batch = self._static_batch(padding.batch_size, padding.num_tokens, key[0])
+        batch = self._attach(key, self._static_batch(padding.batch_size, padding.num_tokens, key[0]))
         self._load(build_forward_batch(self.table, padding))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -196,18 +200,26 @@ class _CapturedForwards(abc.ABC):
         with fused as swaps:
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.engine.run_model(batch)
+                    self._forward(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    logits = self.engine.run_model(batch)
+                    logits = self._forward(batch)
             except RuntimeError as error:  # the eager runs above passed: only capturing fails
                 raise GraphCaptureError(str(error)) from error
         torch.cuda.current_stream().synchronize()
         self.capture_time += time.perf_counter() - started
         logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, swaps)
         return graph, logits
+
+    def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
+        """The batch a graph of `key` runs (what its kernels read besides the common metadata)."""
+        return batch
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """What a graph captures: the model's forward on the (static) batch."""
+        return self.engine.run_model(batch)
 
     @abc.abstractmethod
     def _padding_only(self, key: tuple[int, int]) -> StepRows:
@@ -227,9 +239,14 @@ class DecodeGraphs(_CapturedForwards):
 
     decode = True
 
-    def __init__(self, engine: RadixEngine, max_batch: int, fused_ops: bool = True):
+    def __init__(
+        self, engine: RadixEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
+    ):
         super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
+        cost = decode_cost(engine) if shared_prefix else None
+        # graphs keyed (rows, rows, prefix splits) read it; captured on first use (warm-up captures per-row)
+        self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch)
 
     def fits(self, step: StepRows) -> bool:
         """Whether a step (one new token per row) can replay a graph."""
@@ -261,7 +278,20 @@ class DecodeGraphs(_CapturedForwards):
         if not self.fits(step):
             raise ValueError(f"a decode batch of {step.batch_size} rows does not fit the captured graphs")
         size = _bucket(self.sizes, step.batch_size)
-        return self._run((size, size), self._pad(size, step), step.batch_size)
+        padded = self._pad(size, step)
+        share = None if self.shared is None else self.shared.share(padded)
+        key = (size, size) if share is None else (size, size, share.prefix_splits)
+        return self._run(key, padded, step.batch_size)
+
+    def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
+        if len(key) == 2:
+            return batch
+        return dataclasses.replace(batch, shared_prefix=DecodeShare(self.shared.buffers, key[0], key[2]))
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if batch.shared_prefix is not None:
+            batch.shared_prefix.refresh(batch)
+        return self.engine.run_model(batch)
 
 
 class ExtendGraphs(_CapturedForwards):

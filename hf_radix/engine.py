@@ -54,6 +54,7 @@ class EngineOptions:
     cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
     fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels (CUDA)
     warm_up: bool = True  # the first radix generate captures every graph and compiles kernels (else lazily)
+    shared_prefix: bool = True  # decode reads a prefix shared by rows once per group (Triton, cost rule)
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
@@ -177,7 +178,7 @@ class RadixEngine:
             options = self.options
             self._model_runner = ModelRunner(
                 self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
-                fused_ops=options.fused_ops,
+                fused_ops=options.fused_ops, shared_prefix=options.shared_prefix,
             )
         return self._model_runner
 
@@ -299,6 +300,7 @@ def _announce_pool(
 # core) and keeps its cache.
 _BACKEND_OPTIONS = (
     "attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops", "warm_up",
+    "shared_prefix",
 )
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .page_table import PageTable
+
+if TYPE_CHECKING:
+    from .shared_decode import DecodeShare
 
 
 @dataclass
@@ -34,6 +38,7 @@ class ForwardBatch:
     seq_lens_host: np.ndarray
     max_new_len: int
     max_kv_len: int
+    shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (hf_radix.shared_decode)
 
     @property
     def batch_size(self) -> int:

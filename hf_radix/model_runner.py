@@ -7,6 +7,8 @@ shape and compiles the eager kernels before the first request, so a first run co
 The graphs hold the addresses of the engine's pool: `release` frees them when the engine closes its pool
 or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` estimates the memory the
 graphs take, which the engine keeps out of a pool sized from free GPU memory.
+With `shared_prefix` (Triton attention, one device), decode steps whose rows share cached prefixes read
+each group's prefix once where the cost rule says so, in graphs and eagerly (`hf_radix.shared_decode`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .cuda_graph import (
 )
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .page_table import PADDING_ROW, to_device
+from .shared_decode import SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -54,13 +57,19 @@ class ModelRunner:
         fused_ops: bool = True,
         extend_rows: int = EXTEND_GRAPH_ROWS,
         extend_tokens: int = EXTEND_GRAPH_TOKENS,
+        shared_prefix: bool | None = None,
     ):
         self.engine = engine
         self.fused_ops = fused_ops
+        if shared_prefix is None:
+            shared_prefix = engine.options.shared_prefix
+        self.shared_prefix = shared_prefix and engine.backend.name == "triton" and engine.single_device
+        cost = decode_cost(engine) if self.shared_prefix else None
+        self.eager_shared = None if cost is None else SharedPrefixDecode(engine, cost, 16, grow=True)
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
-            self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops)
+            self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops, self.shared_prefix)
             self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
         self.warm_up_times: dict[str, float] = {}
         self.released = False
@@ -94,7 +103,14 @@ class ModelRunner:
         """Decode graphs cover batches up to `max_batch` rows (re-created, uncaptured, when they did not)."""
         if self.decode_graphs is not None and max_batch > self.decode_graphs.max_rows:
             self.decode_graphs.release()
-            self.decode_graphs = DecodeGraphs(self.engine, max_batch, self.fused_ops)
+            self.decode_graphs = DecodeGraphs(self.engine, max_batch, self.fused_ops, self.shared_prefix)
+
+    @property
+    def shared_prefix_steps(self) -> int:
+        """Decode steps whose attention read each group's shared prefix once (graphs and eager)."""
+        graphs = self.decode_graphs.shared if self.decode_graphs is not None else None
+        eager = self.eager_shared
+        return (graphs.steps if graphs is not None else 0) + (eager.steps if eager is not None else 0)
 
     def _graphs_for(self, step: StepRows) -> DecodeGraphs | ExtendGraphs | None:
         for graphs in (self.decode_graphs, self.extend_graphs):
@@ -125,7 +141,12 @@ class ModelRunner:
                 self._give_up_graphs(error)
                 graphs = None
         if graphs is None:
-            return (eager or self.engine.forward)(build_forward_batch(self.engine.manager.table, step))
+            batch = build_forward_batch(self.engine.manager.table, step)
+            if self.eager_shared is not None and step.is_decode:
+                batch.shared_prefix = self.eager_shared.share(step)
+                if batch.shared_prefix is not None:
+                    batch.shared_prefix.refresh(batch)
+            return (eager or self.engine.forward)(batch)
         self.engine.record_forward(step.num_tokens)
         rows = step.logits_rows()
         if rows is not None:
@@ -138,6 +159,9 @@ class ModelRunner:
             "hf_radix: %s cannot be captured in a CUDA graph (%s); its forwards run eagerly",
             type(self.engine.model).__name__, error,
         )
+        for graphs in (self.decode_graphs, self.extend_graphs):
+            if graphs is not None:
+                graphs.release()
         self.decode_graphs = self.extend_graphs = None
 
     # -- warm-up -------------------------------------------------------------------------------------

@@ -73,8 +73,8 @@ class SharedPrefixCost:
         return per_row - shared
 
     def worth_it(self, total_gain_s: float) -> bool:
-        """Whether the groups' total gain pays for the extra launch."""
-        return total_gain_s > self.launch_s
+        """Whether the groups' total gain pays for the extra launch (always, with ``keep_all``)."""
+        return self.keep_all or total_gain_s > self.launch_s
 
 
 @dataclass
@@ -93,6 +93,7 @@ class SharedPrefixPlan:
     row_suffix_start: np.ndarray  # [B] offset of the row's suffix (first key after the shared prefix)
     row_suffix_len: np.ndarray  # [B] suffix length (the row's context minus its group's prefix)
     prefix_tiles: np.ndarray  # [Np, 5] int32
+    prefix_tile_leader: np.ndarray  # [Np] int32 the row whose slots each prefix tile reads (its group leader)
     prefix_queries: np.ndarray  # [Qp] int32 query tokens of the prefix tiles, tile after tile
     suffix_tiles: np.ndarray  # [Ns, 5] int32
     suffix_queries: np.ndarray  # [Qs] int32
@@ -203,6 +204,7 @@ def build_shared_prefix_plan(
     g_start = np.cumsum(g_tokens) - g_tokens
     seg, q_start, q_len = _chunks(g_start, g_tokens, group_q)
     prefix_tiles = _table(group_kv_start[seg], np.zeros_like(seg), group_prefix_len[seg], q_start, q_len)
+    prefix_tile_leader = leaders[seg].astype(np.int32)
 
     # ---- suffix tiles: chunks of each row's query tokens over its own context ----
     if suffix_tile_q is None:
@@ -223,6 +225,7 @@ def build_shared_prefix_plan(
         row_suffix_start=suffix_start,
         row_suffix_len=suffix_len,
         prefix_tiles=prefix_tiles,
+        prefix_tile_leader=prefix_tile_leader,
         prefix_queries=prefix_queries.astype(np.int32),
         suffix_tiles=suffix_tiles,
         suffix_queries=np.arange(int(qo[-1]), dtype=np.int32),
@@ -280,7 +283,8 @@ class SharedPrefixBuffers:
 
     Sized once for at most ``max_rows`` rows and ``max_tokens`` query tokens, so one CUDA graph replays
     every batch that fits; unused tile rows are zero (``q_len`` 0: no work). All tables live in one int32
-    device tensor, filled by one host-to-device copy.
+    device tensor, filled by one host-to-device copy. A decode plan's per-step fields follow the batch on
+    the device (:meth:`refresh_decode`), so the tables are loaded only when the batch's rows change.
     """
 
     def __init__(self, max_rows: int, max_tokens: int, prefix_tile_q: int, suffix_tile_q: int,
@@ -293,13 +297,20 @@ class SharedPrefixBuffers:
         num_prefix = min(max_tokens, -(-max_tokens // prefix_tile_q) + max_rows // 2)
         num_suffix = min(max_tokens, -(-max_tokens // suffix_tile_q) + max_rows)
         self._sizes = [num_prefix * TILE_FIELDS, max_tokens, num_suffix * TILE_FIELDS, max_tokens, max_tokens,
-                       max_tokens]
-        self._data = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
+                       max_tokens, num_prefix]
+        with torch.inference_mode(False):  # refreshed in place by calls in any grad mode
+            self._data = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
         views = self._data.split(self._sizes)
         self.prefix_tiles = views[0].view(num_prefix, TILE_FIELDS)
         self.prefix_queries, self.suffix_queries = views[1], views[3]
         self.suffix_tiles = views[2].view(num_suffix, TILE_FIELDS)
         self.query_pos, self.query_shared = views[4], views[5]
+        self.prefix_tile_leader = views[6]
+
+    @property
+    def max_rows(self) -> int:
+        """Rows of a decode batch (one suffix tile each) the buffers hold."""
+        return min(self.suffix_tiles.shape[0], self.query_pos.shape[0])
 
     @classmethod
     def from_plan(cls, plan: SharedPrefixPlan, device: torch.device | str) -> SharedPrefixBuffers:
@@ -317,7 +328,7 @@ class SharedPrefixBuffers:
                 f"{self.prefix_tile_q}/{self.suffix_tile_q}"
             )
         parts = [plan.prefix_tiles.reshape(-1), plan.prefix_queries, plan.suffix_tiles.reshape(-1),
-                 plan.suffix_queries, plan.query_pos, plan.query_shared]
+                 plan.suffix_queries, plan.query_pos, plan.query_shared, plan.prefix_tile_leader]
         host = np.zeros(sum(self._sizes), dtype=np.int32)
         offset = 0
         for part, size in zip(parts, self._sizes):
@@ -329,3 +340,19 @@ class SharedPrefixBuffers:
         if self._data.device.type == "cuda":
             staged = staged.pin_memory()
         self._data.copy_(staged, non_blocking=True)
+
+    def refresh_decode(self, kv_indptr: torch.Tensor, seq_lens: torch.Tensor, rows: int) -> None:
+        """Sets a decode plan's per-step fields from the batch's own metadata, on the device.
+
+        A decode step grows each row's context by one token: its query position, its suffix range and
+        where each row's (and so each group's) context starts in the batch's slot list follow from
+        ``kv_indptr`` / ``seq_lens`` (int32, the first ``rows`` rows). Row ``i`` is suffix tile ``i`` (one
+        query each); the fixed fields (groups, prefix lengths, queries) stay as loaded. No host work, so it
+        runs inside a captured graph's replay.
+        """
+        starts, lens = kv_indptr[:rows], seq_lens[:rows]
+        suffix = self.suffix_tiles[:rows]
+        torch.sub(lens, 1, out=self.query_pos[:rows])
+        suffix[:, 0] = starts + suffix[:, 1]
+        suffix[:, 2] = lens - suffix[:, 1]
+        self.prefix_tiles[:, 0] = kv_indptr.index_select(0, self.prefix_tile_leader)

@@ -27,7 +27,8 @@ class RadixBatchRunner:
     `cuda_graph` replays captured graphs (CUDA, Triton attention) and `warm_up` captures them and compiles
     the kernels here, before the first run; `overlap` schedules step n+1 while the GPU runs step n;
     `profile` records GPU time per decode step (`step_times`). `host_cache_tokens` / `host_cache_gb` keep
-    evicted prefixes in a host-memory tier.
+    evicted prefixes in a host-memory tier. `shared_prefix=False` turns off reading a prefix shared by
+    decoding rows once per group (an engine option, on by default with Triton attention).
     """
 
     def __init__(
@@ -47,10 +48,12 @@ class RadixBatchRunner:
         profile: bool = False,
         host_cache_tokens: int | None = None,
         host_cache_gb: float | None = None,
+        shared_prefix: bool | None = None,
     ):
         options = dict(
             page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
             attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
+            shared_prefix=shared_prefix,
         )
         self.model = model
         self.tokenizer = tokenizer

@@ -72,7 +72,7 @@ def make_shared_case(groups: list[Group], hq: int, hkv: int, d: int, page_size: 
 def subset_case(case: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     """The batch of ``case``'s rows ``rows`` (one new token each), in that order, over the same pool."""
     sub = dict(case, q=case["q"][rows], row_slots=[case["row_slots"][i] for i in rows])
-    sub["slots"] = torch.cat(sub["row_slots"])
+    sub["slots"] = torch.cat(sub["row_slots"]).to(case["slots"].device)  # row_slots live on the host
     for key in ("node_ids", "shared_lens", "seq_lens", "new_lens"):
         sub[key] = case[key][rows]
     sub["kv_indptr"] = np.concatenate([[0], np.cumsum(sub["seq_lens"])])

@@ -141,3 +141,81 @@ def test_cuda_graph_replays_refilled_buffers() -> None:
         torch.cuda.synchronize()
         n = len(sub["q"])
         assert rel_err(out[:n], ref_shared(sub, SCALING)) <= REL_TOL_BF16
+
+
+# --------------------------------------------------------------------------------------------------------
+# Wired into the runner and generate: decode graphs (and eager decode) with shared-prefix attention
+# --------------------------------------------------------------------------------------------------------
+
+
+def _hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _force_shared(planner) -> None:
+    import dataclasses
+
+    assert planner is not None
+    planner.cost = dataclasses.replace(planner.cost, keep_all=True)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("gemma2", 16)])
+def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, cuda_graph: bool) -> None:
+    """Groups of rows behind two system prompts, rows joining and finishing: HF's greedy tokens, with
+    shared-prefix decode steps replayed from graphs (or eager), several plans."""
+    from conftest import random_ids
+
+    from hf_radix import RadixBatchRunner, SamplingParams
+    from hf_radix.tiny import tiny_model
+
+    model = tiny_model(arch).cuda()
+    runner = RadixBatchRunner(model, page_size=page_size, max_total_tokens=8192, attn_backend="triton",
+                              cuda_graph=cuda_graph, max_running_requests=12, warm_up=False)
+    core = runner.model_runner
+    planner = core.decode_graphs.shared if cuda_graph else core.eager_shared
+    _force_shared(planner)
+    gen = torch.Generator().manual_seed(0)
+    systems = [random_ids(gen, 300), random_ids(gen, 97)]
+    prompts = [systems[i % 2] + random_ids(gen, 1 + 7 * i % 40) for i in range(20)] + [random_ids(gen, 33)]
+    params = [SamplingParams(max_new_tokens=6 + i % 5) for i in range(len(prompts))]
+    outs = runner.run(prompts, params)
+    runner.check_integrity()
+    for prompt, out, p in zip(prompts, outs, params):
+        assert out.token_ids == _hf_greedy(model, prompt, p.max_new_tokens)
+    assert core.shared_prefix_steps > 0 and planner.plans >= 2
+    if cuda_graph:
+        assert any(len(key) == 3 for key in core.decode_graphs._graphs)  # shared graphs were replayed
+
+
+def test_generate_decode_with_shared_prefix_matches_hf() -> None:
+    """A cached few-shot prefix, then a batch of questions behind it: graphs with shared prefixes."""
+    from conftest import random_ids
+
+    import hf_radix
+    from hf_radix.tiny import tiny_model
+
+    model = tiny_model("llama").cuda()
+    engine = hf_radix.configure(model, max_total_tokens=8192, attn_backend="triton")
+    _force_shared(engine.model_runner.decode_graphs.shared)
+    gen = torch.Generator().manual_seed(3)
+    system = random_ids(gen, 200)
+
+    def generate(prompts: list[list[int]]) -> list[list[int]]:
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             cache_implementation="radix")
+        return [row[width:].tolist() for row in out]
+
+    generate([system + random_ids(gen, 4)])
+    before = engine.model_runner.shared_prefix_steps
+    prompts = [system + random_ids(gen, 3 + 5 * i) for i in range(6)] + [random_ids(gen, 20)]
+    assert generate(prompts) == [_hf_greedy(model, p, 8) for p in prompts]
+    assert engine.model_runner.shared_prefix_steps - before == 7
+    engine.check_integrity()

@@ -84,6 +84,45 @@ def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _paged_kv_loop(
+    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, pos0, q_pos,
+    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) of a range read through the slot array. MASKED applies the bound
+    ``hi``; with CAUSAL also the causal and window masks of queries at positions ``q_pos`` (key ``j`` of the
+    range sits at position ``pos0 + j``). Without CAUSAL every key in range is visible (``pos0``, ``q_pos``
+    and ``window`` are unused)."""
+    for start_n in range(lo, hi, BLOCK_N):
+        j = start_n + offs_n
+        n_mask = j < hi
+        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, j, n_mask, kvh, stride_kct, stride_kch,
+                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
+        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
+        if MASKED:
+            keep = n_mask[None, :]
+            if CAUSAL:
+                k_pos = pos0 + j
+                keep = keep & (k_pos[None, :] <= q_pos[:, None])
+                if USE_WINDOW:
+                    keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
+            s = tl.where(keep, s, float("-inf"))
+        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _partial_rows(acc, l_i, m_i):
+    """A split's normalized partial output rows and their log2-sum-exp (-inf where it saw no key)."""
+    has = l_i > 0.0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS: tl.constexpr):
     """Normalized output rows; with sinks (log2 units, one per query head) each row's softmax denominator
     also holds ``exp(sink)``, a key that contributes no value."""

@@ -19,13 +19,12 @@ from .triton_attention_common import (
     _finish_rows,
     _last_dim_contig,
     _launch,
-    _load_paged_kv,
     _merge_splits,
+    _paged_kv_loop,
+    _partial_rows,
     _scales,
-    _scores,
     _sinks_log2,
     _sm_count,
-    _softmax_update,
     _window,
     pick_num_kv_splits,
 )
@@ -39,27 +38,6 @@ _DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # --------------------------------------------------------------------------------------------------------
 # Decode (split-KV, grouped query heads)
 # --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _decode_loop(
-    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
-    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-    offs_n, offs_d, offs_dv, d_mask, dv_mask,
-    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Attend over context positions [lo, hi); every position in range is visible."""
-    for start_n in range(lo, hi, BLOCK_N):
-        pos = start_n + offs_n
-        n_mask = pos < hi
-        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
-        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
-        if MASKED:
-            s = tl.where(n_mask[None, :], s, float("-inf"))
-        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
-    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])  # vary with the batch: no recompiles
@@ -108,14 +86,15 @@ def _decode_stage1_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
     kv_idx_ptr = kv_indices + kv_start
-    acc, l_i, m_i = _decode_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full_hi,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    acc, l_i, m_i = _decode_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full_hi, hi,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    # every position of [kv_lo, seq_len) is visible to the row's one query: no causal or window mask
+    acc, l_i, m_i = _paged_kv_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full_hi, 0, 0,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    acc, l_i, m_i = _paged_kv_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full_hi, hi, 0, 0,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     st_mask = h_mask[:, None] & dv_mask[None, :]
     if DIRECT:
@@ -123,9 +102,7 @@ def _decode_stage1_kernel(
         o_ptrs = Out + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
-        has = l_i > 0.0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        out, lse = _partial_rows(acc, l_i, m_i)
         m_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
                   + offs_dv[None, :])
         tl.store(m_ptrs, out, mask=st_mask)

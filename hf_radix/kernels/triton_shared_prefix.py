@@ -44,14 +44,14 @@ from .triton_attention_common import (
     _finish_rows,
     _last_dim_contig,
     _launch,
-    _load_paged_kv,
     _merge_splits,
+    _paged_kv_loop,
+    _partial_rows,
     _scales,
-    _scores,
     _sinks_log2,
-    _softmax_update,
     _window,
 )
+from .triton_decode import _decode_config
 
 __all__ = ["shared_prefix_attention", "tile_config"]
 
@@ -64,31 +64,6 @@ _CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 # --------------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile_loop(
-    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, pos0, q_pos,
-    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-    offs_n, offs_d, offs_dv, d_mask, dv_mask,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Attend over keys [lo, hi) of the tile's range; MASKED applies the bound, causal and window masks."""
-    for start_n in range(lo, hi, BLOCK_N):
-        j = start_n + offs_n
-        n_mask = j < hi
-        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, j, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
-        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
-        if MASKED:
-            k_pos = pos0 + j
-            keep = n_mask[None, :] & (k_pos[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
-            s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -160,14 +135,14 @@ def _shared_prefix_tile_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: no (-inf) - (-inf)
     kv_idx_ptr = Slots + kv_start
-    acc, l_i, m_i = _tile_loop(
+    acc, l_i, m_i = _paged_kv_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, c_lo, full, pos0, q_pos,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    acc, l_i, m_i = _tile_loop(
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    acc, l_i, m_i = _paged_kv_loop(
         acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, c_hi, pos0, q_pos,
         kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     st_mask = m_mask[:, None] & dv_mask[None, :]
     mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
@@ -188,9 +163,7 @@ def _shared_prefix_tile_kernel(
         o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
-        has = l_i > 0.0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        out, lse = _partial_rows(acc, l_i, m_i)
         tl.store(mid_o + (part0 + split) * stride_ms, out, mask=st_mask)
         tl.store(mid_lse + part0 + split, lse, mask=m_mask)
         if split == 0:
@@ -213,24 +186,22 @@ def _block_m(tile_q: int, group: int) -> int:
 def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     """Launch config of the tile kernel for ``block_m`` (query, head) rows per program.
 
-    Decode suffix tiles (one row's query heads, ``block_m`` 16) are bandwidth-bound like the per-row decode
-    kernel and use its sm_90 config (BLOCK_N 64, 4 warps, 3 stages: 98% of HBM bandwidth in its sweep).
-    Wide tiles (a group's queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128
-    tiles: BLOCK_N 64 with 8 warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages
-    (64 KB of shared memory at head_dim 128 in bf16; at head_dim 256, 2 stages and 128 KB, as the extend
-    kernel's tuned d256 config).
+    Narrow tiles (one row's query heads: decode suffix tiles, ``block_m`` 16) are bandwidth-bound like the
+    per-row decode kernel's programs, of the same shape, and take its config (``_decode_config``; on sm_90
+    BLOCK_N 64, 4 warps, 3 stages: 98% of HBM bandwidth in its sweep), as off CUDA. Wide tiles (a group's
+    queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128 tiles: BLOCK_N 64 with 8
+    warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages (64 KB of shared memory at
+    head_dim 128 in bf16; at head_dim 256, 2 stages and 128 KB, as the extend kernel's tuned d256 config).
     """
     if block_m in _CFG_OVERRIDE:
         return dict(_CFG_OVERRIDE[block_m])
-    if device.type != "cuda" or interpreting():
-        return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    block_d = triton.next_power_of_2(head_dim)
-    warps = 8 if block_m >= 128 else 4
+    if block_m < 128 or device.type != "cuda" or interpreting():
+        return _decode_config(head_dim, dtype, device)
     if dtype == torch.float32:
-        return {"BLOCK_N": 32, "num_warps": warps, "num_stages": 2}
-    if block_d <= 128:
-        return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 3}
-    return {"BLOCK_N": 64, "num_warps": warps, "num_stages": 2}
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if triton.next_power_of_2(head_dim) <= 128:
+        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:

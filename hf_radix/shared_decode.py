@@ -1,0 +1,155 @@
+"""Shared-prefix attention in decode steps: groups from the radix tree, planned when the batch changes.
+
+Rows of a decode batch whose locked prefixes pass through one tree node form a group: the deepest node
+another row of the batch also passes (every node of a locked path is locked, so it stays while they run).
+Its length is page-aligned, as every node boundary is. The plan (:mod:`hf_radix.prefix_groups`) is built
+on the host only when the batch's membership changes -- its rows, in order, each with the lock it holds --
+and loaded into static device buffers then. A step grows each row's suffix by one token; what that moves
+(query positions, suffix ranges, where each context starts in the slot list) the device recomputes from
+the batch's own lengths (`DecodeShare.refresh`), inside a captured graph's replay. The cost rule decides,
+per membership, whether the batch reads shared prefixes once per group or every row reads its own.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from transformers.utils import logging
+
+from .page_table import PADDING_ROW
+from .prefix_groups import SharedPrefixBuffers, SharedPrefixCost, SharedPrefixPlan, build_shared_prefix_plan
+
+if TYPE_CHECKING:
+    from .engine import RadixEngine
+    from .forward_batch import ForwardBatch, StepRows
+    from .radix_tree import MatchHandle
+
+logger = logging.get_logger(__name__)
+
+MAX_PREFIX_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class DecodeShare:
+    """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
+    the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph)."""
+
+    buffers: SharedPrefixBuffers
+    rows: int
+    prefix_splits: int
+
+    def refresh(self, batch: ForwardBatch) -> None:
+        """This step's query positions and slot ranges, from the batch's device metadata (once a step)."""
+        self.buffers.refresh_decode(batch.kv_indptr, batch.seq_lens, self.rows)
+
+
+def tree_groups(handles: Sequence[MatchHandle | None]) -> tuple[np.ndarray, np.ndarray]:
+    """(group node, shared prefix length) of each row: the deepest node of its locked path that another
+    row's path passes too; (-1, 0) for a row sharing nothing (or with no handle: padding)."""
+    paths: list[list[tuple[int, int]]] = []  # (node id, depth) from the row's node up, root excluded
+    through: Counter[int] = Counter()
+    for handle in handles:
+        path = []
+        if handle is not None:
+            node, depth = handle.node, handle.cached_len
+            while node is not None and node.parent is not None and depth > 0:
+                path.append((id(node), depth))
+                depth -= len(node.key)
+                node = node.parent
+        through.update(nid for nid, _ in path)
+        paths.append(path)
+    numbers: dict[int, int] = {}
+    node_ids = np.full(len(handles), -1, dtype=np.int64)
+    lengths = np.zeros(len(handles), dtype=np.int64)
+    for i, path in enumerate(paths):
+        shared = next(((nid, depth) for nid, depth in path if through[nid] > 1), None)
+        if shared is not None:
+            node_ids[i] = numbers.setdefault(shared[0], len(numbers))
+            lengths[i] = shared[1]
+    return node_ids, lengths
+
+
+def prefix_splits(num_tiles: int, num_kv_heads: int, prefix_len: int, num_sms: int) -> int:
+    """Splits of each prefix tile: at most one wave of programs, at least 256 keys each, a power of two."""
+    want = max(1, min(num_sms // max(1, num_tiles * num_kv_heads), -(-prefix_len // 256), MAX_PREFIX_SPLITS))
+    return 1 << (want.bit_length() - 1)
+
+
+def decode_cost(engine: RadixEngine) -> SharedPrefixCost | None:
+    """The cost rule at the engine's attention shape; None where it reads no plain pool K/V (MLA)."""
+    shape = engine.pool.shape
+    heads = getattr(engine.model.config.get_text_config(decoder=True), "num_attention_heads", None)
+    if shape.latent or not heads or heads % shape.num_kv_heads:
+        return None
+    return SharedPrefixCost(heads, shape.num_kv_heads, max(shape.head_dim, shape.value_dim),
+                            engine.pool.dtype.itemsize, prefix_parts=2)
+
+
+class SharedPrefixDecode:
+    """Plans decode batches of one engine and holds their static group buffers (sized for ``max_rows``).
+
+    `share` is called once a step; it rebuilds the plan only when the batch's rows (or their locks)
+    changed. ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
+    """
+
+    def __init__(self, engine: RadixEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False):
+        self.engine = engine
+        self.cost = cost
+        self.grow = grow
+        self.buffers = self._buffers(max_rows)
+        self.steps = 0  # decode steps that read shared prefixes once per group
+        self.plans = 0  # plans built (batch membership changes)
+        self._rows: np.ndarray | None = None
+        self._handles: list[MatchHandle | None] = []
+        self._share: DecodeShare | None = None
+
+    def _buffers(self, rows: int) -> SharedPrefixBuffers:
+        tile_q = max(1, self.cost.tile_rows // self.cost.q_heads_per_kv)
+        return SharedPrefixBuffers(rows, rows, tile_q, 1, self.engine.device)
+
+    def share(self, step: StepRows) -> DecodeShare | None:
+        """The shared-prefix attention of a decode step (padding rows included), or None: per-row."""
+        rows = step.rows
+        manager = self.engine.manager
+        handles = [None if r == PADDING_ROW else manager.row_handle(r) for r in rows.tolist()]
+        same = (
+            self._rows is not None
+            and np.array_equal(rows, self._rows)
+            and all(a is b for a, b in zip(handles, self._handles))
+        )
+        if not same:
+            self._rows, self._handles = rows.copy(), handles  # held: a lock's id is never reused meanwhile
+            self._share = self._plan(step, handles)
+        if self._share is not None:
+            self.steps += 1
+        return self._share
+
+    def _plan(self, step: StepRows, handles: list[MatchHandle | None]) -> DecodeShare | None:
+        self.plans += 1
+        node_ids, shared_lens = tree_groups(handles)
+        if not (node_ids >= 0).any():
+            return None
+        seq = step.prefix_lens + 1
+        plan = build_shared_prefix_plan(node_ids, shared_lens, np.cumsum(seq) - seq, seq, cost=self.cost,
+                                        page_size=self.engine.page_size, suffix_tile_q=1)
+        logger.debug("shared-prefix plan: %d groups over %d rows, modelled gain %.1f us a layer (%s)",
+                     plan.num_shared_groups, step.batch_size, plan.gain_s * 1e6,
+                     "shared" if plan.use_shared else "per-row")
+        if not plan.use_shared:
+            return None
+        if step.batch_size > self.buffers.max_rows:
+            if not self.grow:
+                return None
+            self.buffers = self._buffers(1 << (step.batch_size - 1).bit_length())
+        self.buffers.load(plan)
+        return DecodeShare(self.buffers, step.batch_size, self._splits(plan))
+
+    def _splits(self, plan: SharedPrefixPlan) -> int:
+        from .kernels.triton_attention_common import _sm_count
+
+        return prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
+                             _sm_count(self.engine.device))
