@@ -155,9 +155,9 @@ def _decode_logits(runner: RadixBatchRunner, prompts: list[list[int]], params: l
     launched: list = []
     real_rows, real_forward = scheduler._step_rows, core.forward
 
-    def step_rows(items):
+    def step_rows(items, *args):
         launched[:] = items
-        return real_rows(items)
+        return real_rows(items, *args)
 
     def forward(step, *args, **kwargs):
         out = real_forward(step, *args, **kwargs)
