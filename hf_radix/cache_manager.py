@@ -44,6 +44,7 @@ class CacheManager:
         *,
         device: torch.device | str = "cpu",
         scratch_slot: int | None = None,
+        row_tokens: int | None = None,
     ):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
@@ -51,7 +52,9 @@ class CacheManager:
         self.page_size = page_size
         self.num_pages = num_pages
         scratch = num_pages * page_size if scratch_slot is None else scratch_slot
-        self.table = PageTable(num_pages * page_size, device, scratch)  # a row never outgrows the pool
+        # a row never outgrows the pool; the table starts as wide as `row_tokens` (the model's context)
+        width = None if row_tokens is None else -(-row_tokens // page_size) * page_size
+        self.table = PageTable(num_pages * page_size, device, scratch, width)
         self._free = np.arange(num_pages, dtype=np.int64) * page_size  # first slot of each free page
         self._rows: dict[int, _Row] = {}
         # per table row: positions with a slot (a multiple of the page size); -1 for a row not open
@@ -158,10 +161,10 @@ class CacheManager:
             return
         grow = needs > 0
         rows, current, counts = rows[grow], current[grow], needs[grow] * ps
-        if int((current + counts).max()) > self.table.width:
+        if int((current + counts).max()) > self.table.max_width:
             raise ValueError(
                 f"a request needs {int((current + counts).max())} positions; the page table holds "
-                f"{self.table.width} (the KV pool)"
+                f"{self.table.max_width} (the KV pool)"
             )
         pages = self._take_pages(total)
         if ps == 1 and len(rows) == total:  # one new slot per row (a decode step)

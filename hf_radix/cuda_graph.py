@@ -93,7 +93,7 @@ class _CapturedForwards(abc.ABC):
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.fused_ops = fused_ops
         # a row's context in a graph: up to the model's context (generate may go past it: eagerly)
-        self.kv_bound = min(self.table.width, engine.max_context)
+        self.kv_bound = min(self.table.max_width, engine.max_context)
         self.capture = engine.device.type == "cuda"
         self.released = False
         self.replays = 0

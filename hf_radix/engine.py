@@ -92,7 +92,9 @@ class RadixEngine:
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
-        self.manager = CacheManager(num_pages, page_size, device=device, scratch_slot=self.scratch_slot)
+        self.manager = CacheManager(
+            num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context
+        )
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")

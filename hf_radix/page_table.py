@@ -39,10 +39,15 @@ def to_device(values: np.ndarray, device: torch.device, dtype: torch.dtype = tor
 class PageTable:
     """Request rows → slots, on the host and on `device`; rows are recycled, lowest first."""
 
-    def __init__(self, width: int, device: torch.device | str = "cpu", scratch_slot: int = 0):
-        if width < 1:
-            raise ValueError(f"page table width must be >= 1, got {width}")
-        self.width = width
+    def __init__(
+        self, max_width: int, device: torch.device | str = "cpu", scratch_slot: int = 0,
+        width: int | None = None,
+    ):
+        if max_width < 1:
+            raise ValueError(f"page table width must be >= 1, got {max_width}")
+        self.max_width = max_width  # a row's most positions (the pool's slots)
+        width = min(max_width, width or max_width)
+        self.width = width  # positions held now: the table widens when a row needs more
         self.device = torch.device(device)
         self.scratch_slot = scratch_slot
         self.host = np.zeros((_FIRST_ROWS, width), dtype=np.int32)
@@ -95,10 +100,26 @@ class PageTable:
         self._pending.append(rows.astype(np.int64) * self.width + positions)
 
     def _check_width(self, positions: int) -> None:
-        if positions > self.width:
+        if positions <= self.width:
+            return
+        if positions > self.max_width:
             raise ValueError(
-                f"a request needs {positions} positions; the page table holds {self.width} (the KV pool)"
+                f"a request needs {positions} positions; the page table holds {self.max_width} (the KV pool)"
             )
+        self._widen(min(self.max_width, max(positions, 2 * self.width)))
+
+    def _widen(self, width: int) -> None:
+        """Holds `width` positions per row from now on (host and device; pending writes re-addressed)."""
+        old = self.width
+        host = np.full((self.capacity, width), 0, dtype=np.int32)
+        host[:, :old] = self.host
+        host[PADDING_ROW] = self.scratch_slot
+        with torch.inference_mode(False):
+            slots = torch.zeros((self.capacity, width), dtype=torch.int32, device=self.device)
+            slots[:, :old] = self.slots
+            slots[PADDING_ROW] = self.scratch_slot
+        self._pending = [(p // old) * width + p % old for p in self._pending]
+        self.host, self.slots, self.width = host, slots, width
 
     def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
         """`parts` on the device (one staged copy), after the device table received the pending writes.

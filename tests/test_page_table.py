@@ -18,7 +18,7 @@ NEW = 6
 
 
 def test_writes_reach_the_device_at_the_next_upload_with_their_last_value():
-    table = PageTable(width=12, scratch_slot=99)
+    table = PageTable(max_width=12, scratch_slot=99)
     row = table.open()
     table.write_row(row, 0, np.array([5, 6, 7]))
     assert table.slots[row, :3].tolist() == [0, 0, 0]  # pending: the device follows at the next upload
@@ -32,7 +32,7 @@ def test_writes_reach_the_device_at_the_next_upload_with_their_last_value():
 
 
 def test_reserve_keeps_rows_and_pending_writes():
-    table = PageTable(width=4, scratch_slot=50)
+    table = PageTable(max_width=4, scratch_slot=50)
     rows = [table.open() for _ in range(3)]
     for i, row in enumerate(rows):
         table.write_row(row, 0, np.array([i, i + 10]))
@@ -121,3 +121,22 @@ def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
     torch.cuda.synchronize()
     for i, out in enumerate(outs):
         assert out.shape == (1000 + i,) and bool((out == i).all())
+
+
+def test_the_table_widens_past_its_first_width_keeping_rows_and_pending_writes():
+    """A table starts as wide as the model's context and widens (up to the pool) when a row needs more;
+    rows and not-yet-uploaded writes keep their positions; the padding row stays the scratch slot."""
+    table = PageTable(64, scratch_slot=99, width=8)
+    row = table.open()
+    table.write_row(row, 0, np.arange(8))
+    table.flush()
+    table.write_row(row, 8, np.arange(8, 12))  # pending across the widening
+    assert table.width == 16
+    table.write(np.array([row]), np.array([40]), np.array([7]))
+    assert table.width == 41
+    table.flush()
+    assert table.slots[row, :12].tolist() == list(range(12)) and int(table.slots[row, 40]) == 7
+    assert (table.slots[PADDING_ROW] == 99).all() and (table.host[PADDING_ROW] == 99).all()
+    assert table.check({row: 41}) is None
+    with pytest.raises(ValueError, match="the page table holds 64"):
+        table.write_row(row, 60, np.arange(5))
