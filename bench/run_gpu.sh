@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT.
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [gsp] [generate] [score] [warm] [chat] [warmtests]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for step in "$@"; do
   case $step in
-    tests) timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -n 6 --tb=short tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     profile) timeout 300 python3 bench/profile_runs.py 2>&1 | tee "$OUT/profile.log" ;;
-    gsp) timeout 260 python3 bench/gsp.py --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
+    gsp) timeout 230 python3 bench/gsp.py --groups16 --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
-    warm) timeout 240 python3 bench/warm_start_bench.py --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
-    chat) timeout 240 python3 bench/chat_bench.py --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
+    warm) timeout 150 python3 bench/warm_start_bench.py --workloads score_bench --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
+    chat) timeout 200 python3 bench/chat_bench.py --configs unbounded,host_tier --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
+    chatnotier) timeout 100 python3 bench/chat_bench.py --configs unbounded,no_tier --out "$OUT/chat_bench_no_tier.json" 2>&1 | tee "$OUT/chat_bench_no_tier.log" ;;
+    sampling) timeout 45 python3 bench/sampling_bench.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" ;;
+    sharedprefix) timeout 100 python3 bench/shared_prefix_bench.py --out "$OUT/shared_prefix_bench.json" 2>&1 | tee "$OUT/shared_prefix_bench.log" ;;
     warmtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
   esac
 done
