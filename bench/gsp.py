@@ -31,6 +31,7 @@ from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
+from hf_radix.kernels.compile_log import CompileLog  # noqa: E402
 
 
 def make_prompts(
@@ -121,8 +122,11 @@ def shared_part(model, runner: RadixBatchRunner, shape: tuple[int, int, int, int
     # batch shapes captured (one-time costs of a process, reported as the first run)
     warm = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True, seed=2)
     shared_before = core.shared_prefix_steps
-    first_run_s, _ = run_radix(runner, warm, new_tokens, device)
+    captures_before = core.graph_captures()
+    with CompileLog() as compiles:
+        first_run_s, _ = run_radix(runner, warm, new_tokens, device)
     first_run_shared = core.shared_prefix_steps - shared_before
+    captures = {k: v - captures_before[k] for k, v in core.graph_captures().items()}
     run_hf(model, shared[:2], 2, 2, device)
 
     steps_before = len(runner.step_times.host_s)
@@ -144,6 +148,8 @@ def shared_part(model, runner: RadixBatchRunner, shape: tuple[int, int, int, int
         "radix_s": radix_s,
         "radix_first_run_s": first_run_s,
         "first_run_over_steady": first_run_s / radix_s,
+        "first_run_compiles": compiles.summary(),
+        "first_run_captures": captures,
         **steps,
         "shared_prefix_steps": shared_steps,
         "shared_prefix_steps_first_run": first_run_shared,

@@ -29,6 +29,7 @@ from common import build_llama  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
+from hf_radix.kernels.compile_log import CompileLog  # noqa: E402
 
 FULL = dict(questions=512, choices=4, prefix_len=1500, question_len=100, choice_len=(5, 20), hf_batch_size=16)
 TINY = dict(questions=24, choices=4, prefix_len=300, question_len=40, choice_len=(2, 6), hf_batch_size=8)
@@ -154,7 +155,10 @@ def main(argv: list[str] | None = None) -> dict:
     # captured the graphs, timed as setup), then start from an empty cache
     warm = make_workload(shape["questions"], shape["choices"], shape["prefix_len"], shape["question_len"],
                          shape["choice_len"], vocab, args.seed + 1)
-    warmup_s, _ = timed(lambda: runner.loglikelihood(warm, progress=False), device)
+    captures_before = runner.model_runner.graph_captures()
+    with CompileLog() as compiles:
+        warmup_s, _ = timed(lambda: runner.loglikelihood(warm, progress=False), device)
+    first_captures = {k: v - captures_before[k] for k, v in runner.model_runner.graph_captures().items()}
     hf_loglikelihood(model, warm[:shape["hf_batch_size"]], shape["hf_batch_size"], device)
     runner.reset_cache()
 
@@ -186,6 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hf": {"seconds": hf_s, "tokens": sum(len(c) + len(x) - 1 for c, x in pairs)},
         "hf_radix": {
             "seconds": radix_s, "first_run_seconds": warmup_s, "first_run_over_steady": warmup_s / radix_s,
+            "first_run_compiles": compiles.summary(), "first_run_captures": first_captures,
             "setup_seconds": setup_s, **{f"warm_up_{k}": v for k, v in runner.warm_up_times.items()},
             "forward_calls": after["forward_calls"] - before["forward_calls"],
             "computed_tokens": after["computed_tokens"] - before["computed_tokens"],

@@ -95,6 +95,11 @@ class ModelRunner:
         self.decode_graphs = self.extend_graphs = None
         self.released = True
 
+    def graph_captures(self) -> dict[str, float]:
+        """Graphs captured so far and the seconds their captures took (cold-start accounting)."""
+        graphs = [g for g in (self.decode_graphs, self.extend_graphs) if g is not None]
+        return {"graphs": sum(g.num_graphs for g in graphs), "capture_s": sum(g.capture_time for g in graphs)}
+
     @property
     def max_graph_batch(self) -> int:
         return 0 if self.decode_graphs is None else self.decode_graphs.max_rows
@@ -197,11 +202,29 @@ class ModelRunner:
                         new_lens=np.array([tokens]), input_ids=np.zeros(tokens, dtype=np.int64),
                     )
                     engine.run_model(build_forward_batch(engine.manager.table, step))
+        self._warm_up_shared_prefix()
         sync()
         eager = time.perf_counter() - started
         self.warm_up_times = {"eager_s": eager, "capture_s": self._capture_all()}
         logger.info("hf_radix warm-up: %s", self.warm_up_times)
         return dict(self.warm_up_times)
+
+    def _warm_up_shared_prefix(self) -> None:
+        """Compiles the shared-prefix decode kernels: a decode of two padding rows sharing a prefix, with
+        one and with several prefix splits (split counts are launch sizes, not compiled variants)."""
+        if self.eager_shared is None:
+            return
+        engine = self.engine
+        prefix = engine.page_size * max(1, 16 // engine.page_size)
+        if prefix + 2 > engine.manager.table.width:
+            return
+        step = StepRows(rows=np.full(2, PADDING_ROW), prefix_lens=np.full(2, prefix + 1),
+                        new_lens=np.ones(2, dtype=np.int64), input_ids=np.zeros(2, dtype=np.int64))
+        for splits in (1, 2):
+            batch = build_forward_batch(engine.manager.table, step)
+            batch.shared_prefix = self.eager_shared.one_group(step, prefix, splits)
+            batch.shared_prefix.refresh(batch)
+            engine.run_model(batch)
 
     def _capture_all(self) -> float:
         """Captures every shape not captured yet; returns the seconds it took."""

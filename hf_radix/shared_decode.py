@@ -12,6 +12,7 @@ per membership, whether the batch reads shared prefixes once per group or every 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -153,3 +154,16 @@ class SharedPrefixDecode:
 
         return prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
                              _sm_count(self.engine.device))
+
+    def one_group(self, step: StepRows, prefix_len: int, splits: int) -> DecodeShare:
+        """The rows of ``step`` as one group sharing their first ``prefix_len`` positions, whatever the tree
+        and the cost rule say: warm-up compiles the shared-prefix kernels on padding rows with it."""
+        rows = step.batch_size
+        seq = step.prefix_lens + 1
+        cost = dataclasses.replace(self.cost, keep_all=True)
+        plan = build_shared_prefix_plan(np.zeros(rows, dtype=np.int64), np.full(rows, prefix_len),
+                                        np.cumsum(seq) - seq, seq, cost=cost, page_size=self.engine.page_size,
+                                        suffix_tile_q=1)
+        self.buffers.load(plan)
+        self._rows = None  # the next `share` plans afresh
+        return DecodeShare(self.buffers, rows, splits)

@@ -235,7 +235,39 @@ def _generate_check(page_size: int) -> dict[str, Any]:
     return {"ok": hf and steps == NEW - 1, "hf": hf, "shared_steps": steps}
 
 
+def _warm_up_check(page_size: int) -> dict[str, Any]:
+    """Warm-up runs the shared-prefix kernels (on padding rows, one and two prefix splits) and leaves the
+    runner as it was: later runs equal HF and the cache is consistent."""
+    from hf_radix import model_runner
+    from hf_radix.kernels import triton_shared_prefix
+
+    model = fresh_model("llama")
+    runner = RadixBatchRunner(model, attn_backend="triton", max_total_tokens=512, page_size=page_size,
+                              warm_up=False)
+    model_runner.WARM_UP_TOKENS = (1,)  # the eager prefills are covered elsewhere; this checks the rest
+    calls: list[int] = []
+    real = triton_shared_prefix.shared_prefix_attention
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["num_prefix_splits"])
+        return real(*args, **kwargs)
+
+    triton_shared_prefix.shared_prefix_attention = counted
+    try:
+        runner.model_runner.warm_up()
+    finally:
+        triton_shared_prefix.shared_prefix_attention = real
+    runner.check_integrity()
+    layers = model.config.num_hidden_layers
+    prompts = _prompts(page_size, page_size)
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
+    runner.check_integrity()
+    hf = all(o.token_ids == hf_greedy(model, p, NEW) for p, o in zip(prompts, outs))
+    return {"ok": hf and sorted(set(calls)) == [1, 2] and len(calls) == 2 * layers, "hf": hf, "calls": calls}
+
+
 CHECKS = {
+    "warm_up_shared_p4": lambda: _warm_up_check(4),
     "runner_graphs_p1": lambda: _runner_check(1, graphs=True),
     "runner_eager_p4": lambda: _runner_check(4, graphs=False),
     "generate_p1": lambda: _generate_check(1),

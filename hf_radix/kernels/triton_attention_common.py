@@ -134,7 +134,8 @@ def _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS: tl.constexpr):
     return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
 
 
-@triton.jit
+# split counts (and the strides that follow them) vary with the batch: not specialized on, no recompiles
+@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])
 def _merge_splits_kernel(
     Mid_o, Mid_lse, Out, Sinks, num_splits,
     stride_mb, stride_mh, stride_ms, stride_lb, stride_lh, stride_ob, stride_oh,
@@ -265,6 +266,9 @@ def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: 
     return int(max(1, min(want, by_len, max_splits)))
 
 
+MERGE_MIN_BLOCK_S = 16  # split counts up to this share one compiled merge kernel
+
+
 def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor, num_splits: int,
                   sinks: torch.Tensor, has_sinks: bool) -> None:
     """Combines per-split partial outputs ``[N, Hq, S, D]`` (and their log2-sum-exps) into ``out``; the
@@ -274,7 +278,8 @@ def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
     _merge_splits_kernel[(n, hq)](
         mid_o, mid_lse, out, sinks, num_splits, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits), HAS_SINKS=has_sinks,
+        HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(MERGE_MIN_BLOCK_S, triton.next_power_of_2(num_splits)),
+        HAS_SINKS=has_sinks,
         num_warps=4 if block_d >= 128 else 2,
     )
 

@@ -40,7 +40,8 @@ _DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_lb", "stride_lh"])  # vary with the batch: no recompiles
+# values that vary with the batch or the layer are not specialized on: no recompiles
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_lb", "stride_lh"])
 def _decode_stage1_kernel(
     Q, K_cache, V_cache, kv_indices, kv_indptr, Mid_o, Mid_lse, Out, Sinks,
     qk_scale, cap_scale, window, num_splits,

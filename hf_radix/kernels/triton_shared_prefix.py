@@ -66,7 +66,8 @@ _CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 # --------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# split counts, part offsets and the partial-result strides vary with the batch: not specialized on
+@triton.jit(do_not_specialize=["window", "part0", "num_prev", "stride_lt", "stride_lh"])
 def _shared_prefix_tile_kernel(
     Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, Sinks, Out, Mid_o, Mid_lse,
     qk_scale, cap_scale, window, part0, num_prev,
