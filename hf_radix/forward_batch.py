@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .page_table import PageTable
+from .staging import aligned_offsets, aligned_views
 
 if TYPE_CHECKING:
     from .shared_decode import DecodeShare
@@ -167,13 +168,18 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         )
     from_table = _concat([]) if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
     narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # sent once more, cast to int32
+    narrow_sizes = [len(a) for a in narrow_parts]
+    narrow_offsets, narrow_total = aligned_offsets(narrow_sizes, 4)
+    narrow_host = np.zeros(narrow_total, dtype=np.int64)
+    for offset, part in zip(narrow_offsets, narrow_parts):
+        narrow_host[offset:offset + len(part)] = part
     parts = [
         step.input_ids, positions, token_rows, logits, from_table, token_rows[from_table], step.rows, seq,
-        prefix, kv_indptr, prefix_indptr, np.concatenate(narrow_parts),
+        prefix, kv_indptr, prefix_indptr, narrow_host,
     ]
     wide = table.upload(parts)  # one copy, with the page-table writes made since the last one
     input_ids, positions_d, token_rows_d, logits_d, table_pos, table_rows, rows_d, seq_d, prefix_d = wide[:9]
-    narrow = wide[11].to(torch.int32).split([len(a) for a in narrow_parts])
+    narrow = aligned_views(wide[11].to(torch.int32), narrow_offsets, narrow_sizes)
     qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow
     if len(from_table):
         input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
+from .staging import aligned_offsets, aligned_views
+
 logger = logging.get_logger(__name__)
 
 TILE_FIELDS = 5  # kv_start, kv_pos0, kv_len, q_start, q_len (hf_radix.kernels.triton_shared_prefix)
@@ -296,11 +298,13 @@ class SharedPrefixBuffers:
         # Each segment (a group's or a row's queries) adds at most one partial chunk.
         num_prefix = min(max_tokens, -(-max_tokens // prefix_tile_q) + max_rows // 2)
         num_suffix = min(max_tokens, -(-max_tokens // suffix_tile_q) + max_rows)
-        self._sizes = [num_prefix * TILE_FIELDS, max_tokens, num_suffix * TILE_FIELDS, max_tokens, max_tokens,
-                       max_tokens, num_prefix]
+        sizes = [num_prefix * TILE_FIELDS, max_tokens, num_suffix * TILE_FIELDS, max_tokens, max_tokens,
+                 max_tokens, num_prefix]
+        offsets, total = aligned_offsets(sizes, 4)  # every table 16-byte aligned, whatever the capacities
+        self._sizes, self._offsets = sizes, offsets
         with torch.inference_mode(False):  # refreshed in place by calls in any grad mode
-            self._data = torch.zeros(sum(self._sizes), dtype=torch.int32, device=device)
-        views = self._data.split(self._sizes)
+            self._data = torch.zeros(total, dtype=torch.int32, device=device)
+        views = aligned_views(self._data, offsets, sizes)
         self.prefix_tiles = views[0].view(num_prefix, TILE_FIELDS)
         self.prefix_queries, self.suffix_queries = views[1], views[3]
         self.suffix_tiles = views[2].view(num_suffix, TILE_FIELDS)
@@ -329,13 +333,11 @@ class SharedPrefixBuffers:
             )
         parts = [plan.prefix_tiles.reshape(-1), plan.prefix_queries, plan.suffix_tiles.reshape(-1),
                  plan.suffix_queries, plan.query_pos, plan.query_shared, plan.prefix_tile_leader]
-        host = np.zeros(sum(self._sizes), dtype=np.int32)
-        offset = 0
-        for part, size in zip(parts, self._sizes):
+        host = np.zeros(self._data.numel(), dtype=np.int32)
+        for part, size, offset in zip(parts, self._sizes, self._offsets):
             if len(part) > size:
                 raise ValueError(f"batch exceeds the buffers' capacity ({len(part)} > {size} entries)")
             host[offset:offset + len(part)] = part
-            offset += size
         staged = torch.from_numpy(host)
         if self._data.device.type == "cuda":
             staged = staged.pin_memory()

@@ -15,6 +15,24 @@ import numpy as np
 import torch
 
 RING = 8  # pinned buffers; a step makes one to three uploads
+# Every array handed to a kernel starts on a 16-byte boundary: Triton compiles a variant per alignment of
+# its pointer arguments, so views at offsets that follow the batch's sizes would compile new variants.
+ALIGN_BYTES = 16
+
+
+def aligned_offsets(sizes: Sequence[int], itemsize: int) -> tuple[list[int], int]:
+    """Start of each of `sizes` consecutive arrays in one buffer, each `ALIGN_BYTES`-aligned; the total."""
+    step = max(1, ALIGN_BYTES // itemsize)
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // step) * step
+    return offsets, total
+
+
+def aligned_views(flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The arrays `aligned_offsets` laid out in `flat`."""
+    return [flat[o:o + n] for o, n in zip(offsets, sizes)]
 
 
 class HostStaging:
@@ -30,11 +48,11 @@ class HostStaging:
     def upload(self, parts: Sequence[np.ndarray]) -> list[torch.Tensor]:
         """`parts` (int64 after conversion) on the device, one tensor each, sent as one packed copy."""
         sizes = [len(p) for p in parts]
-        total = sum(sizes)
         self.uploads += 1
         if self.device.type != "cuda":
             packed = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
             return list(torch.from_numpy(packed).split(sizes))
+        offsets, total = aligned_offsets(sizes, 8)
         slot = self._next
         self._next = (slot + 1) % len(self._buffers)
         event = self._events[slot]
@@ -45,10 +63,10 @@ class HostStaging:
             size = max(total, 2 * (0 if buffer is None else buffer.numel()), 1024)
             buffer = self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
         host = buffer.numpy()
-        if parts:
-            np.concatenate(parts, out=host[:total], casting="unsafe")
+        for offset, part in zip(offsets, parts):
+            host[offset:offset + len(part)] = part
         packed = buffer[:total].to(self.device, non_blocking=True)
         if event is None:
             event = self._events[slot] = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
-        return list(packed.split(sizes))
+        return aligned_views(packed, offsets, sizes)

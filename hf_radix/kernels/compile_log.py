@@ -34,14 +34,19 @@ def _jit_kernels() -> dict[str, Any]:
     return kernels
 
 
-def compiled_variants() -> dict[str, int]:
-    """How many variants of each hf_radix Triton kernel are compiled in this process (all devices)."""
-    counts = {}
+def _variant_keys() -> dict[str, set[str]]:
+    """The specialization keys of each hf_radix kernel's compiled variants (all devices)."""
+    keys: dict[str, set[str]] = {}
     for name, fn in _jit_kernels().items():
         caches = getattr(fn, "device_caches", None)
         if caches is not None:  # Triton 3.2+: the first entry of each device's tuple is its kernel cache
-            counts[name] = sum(len(cache[0]) for cache in caches.values())
-    return counts
+            keys[name] = {str(key) for cache in caches.values() for key in cache[0]}
+    return keys
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many variants of each hf_radix Triton kernel are compiled in this process (all devices)."""
+    return {name: len(keys) for name, keys in _variant_keys().items()}
 
 
 @dataclass
@@ -50,13 +55,13 @@ class CompileLog:
 
     compiles: list[tuple[str, float]] = field(default_factory=list)  # (kernel, seconds), cache misses
     disk_hits: int = 0  # variants loaded from Triton's on-disk cache (compiled by an earlier process)
-    new_variants: dict[str, int] = field(default_factory=dict)
-    _before: dict[str, int] = field(default_factory=dict, repr=False)
+    new_variants: dict[str, list[str]] = field(default_factory=dict)  # kernel -> specialization keys
+    _before: dict[str, set[str]] = field(default_factory=dict, repr=False)
     _knobs: Any = field(default=None, repr=False)
     _previous: Any = field(default=None, repr=False)
 
     def __enter__(self) -> CompileLog:
-        self._before = compiled_variants()
+        self._before = _variant_keys()
         try:
             from triton import knobs
         except ImportError:
@@ -79,12 +84,12 @@ class CompileLog:
     def __exit__(self, *exc: object) -> None:
         if self._knobs is not None:
             self._knobs.compilation.listener = self._previous
-        after = compiled_variants()
-        gained = {k: n - self._before.get(k, 0) for k, n in after.items()}
-        self.new_variants = {k: n for k, n in gained.items() if n > 0}
+        gained = {k: sorted(keys - self._before.get(k, set())) for k, keys in _variant_keys().items()}
+        self.new_variants = {k: keys for k, keys in gained.items() if keys}
 
     def summary(self) -> dict[str, Any]:
-        """JSON-ready: compile seconds and count, per kernel, and the variants each kernel gained."""
+        """JSON-ready: compile seconds and count, per kernel, and the variants each kernel gained (with
+        their specialization keys: what differed from the variants compiled before)."""
         seconds: Counter[str] = Counter()
         for name, s in self.compiles:
             seconds[name] += s
@@ -93,5 +98,6 @@ class CompileLog:
             "compiles": len(self.compiles),
             "compile_s_by_kernel": dict(seconds),
             "disk_cache_hits": self.disk_hits,
-            "new_variants": self.new_variants,
+            "new_variants": {k: len(keys) for k, keys in self.new_variants.items()},
+            "new_variant_keys": self.new_variants,
         }

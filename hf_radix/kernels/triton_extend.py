@@ -149,7 +149,8 @@ def _tile_row(qo_indptr, num_rows, tile, GP: tl.constexpr, BLOCK_M: tl.constexpr
 
 # Values that change with the batch (row count, split count and the partial-result strides that follow from
 # it) are not specialized on, so new lengths and batch sizes never compile a new variant.
-@triton.jit(do_not_specialize=["window", "num_splits", "num_rows", "len_lo", "len_hi", "stride_lt", "stride_lh"])
+@triton.jit(do_not_specialize=["window", "num_splits", "num_rows", "len_lo", "len_hi", "stride_lt",
+                               "stride_lh"])
 def _extend_kernel(
     Q, K_new, V_new, K_cache, V_cache, Out, Mid_o, Mid_lse, Sinks,
     qo_indptr, prefix_lens, prefix_kv_indices, prefix_kv_indptr,
