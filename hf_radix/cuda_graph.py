@@ -5,8 +5,9 @@ replaying a captured graph removes that. Two kinds:
 
 * `DecodeGraphs`: one new token per row, rows padded to a bucket; a padded row is one token on the page
   table's padding row (every position: the scratch slot outside the managed pool), attending to itself.
-  Batches whose rows share cached prefixes replay graphs of their own, captured on first use, whose
-  attention reads each group's prefix once (`hf_radix.shared_decode`; static group buffers).
+  Batches whose rows share cached prefixes replay graphs of their own, one per batch size, whose
+  attention reads each group's prefix once (`hf_radix.shared_decode`; static group buffers, the split
+  count read on the device).
 * `ExtendGraphs`: a few new tokens per row over cached prefixes (a question after a cached few-shot
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
@@ -34,7 +35,7 @@ from transformers.utils import logging
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .fused_ops import fused_norm_and_rope
 from .page_table import PADDING_ROW
-from .shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
+from .shared_decode import MAX_PREFIX_SPLITS, DecodeShare, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -245,8 +246,8 @@ class DecodeGraphs(_CapturedForwards):
         super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
         cost = decode_cost(engine) if shared_prefix else None
-        # graphs keyed (rows, rows, prefix splits) read it; captured on first use (warm-up captures per-row)
-        self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch)
+        # graphs keyed (rows, rows, MAX_PREFIX_SPLITS) read it, one per batch size of two rows or more
+        self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch, captured=True)
 
     def fits(self, step: StepRows) -> bool:
         """Whether a step (one new token per row) can replay a graph."""
@@ -257,8 +258,11 @@ class DecodeGraphs(_CapturedForwards):
             and int((step.prefix_lens + 1).max()) <= self.kv_bound
         )
 
-    def shapes(self) -> list[tuple[int, int]]:
-        return [(s, s) for s in self.sizes]
+    def shapes(self) -> list[tuple[int, ...]]:
+        per_row = [(s, s) for s in self.sizes]
+        if self.shared is None:
+            return per_row
+        return per_row + [(s, s, MAX_PREFIX_SPLITS) for s in self.sizes if s >= 2]
 
     def _pad(self, size: int, step: StepRows) -> StepRows:
         pad = _padding_rows(size - step.batch_size, 0, 1)

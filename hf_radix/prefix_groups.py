@@ -299,7 +299,7 @@ class SharedPrefixBuffers:
         num_prefix = min(max_tokens, -(-max_tokens // prefix_tile_q) + max_rows // 2)
         num_suffix = min(max_tokens, -(-max_tokens // suffix_tile_q) + max_rows)
         sizes = [num_prefix * TILE_FIELDS, max_tokens, num_suffix * TILE_FIELDS, max_tokens, max_tokens,
-                 max_tokens, num_prefix]
+                 max_tokens, num_prefix, 1]
         offsets, total = aligned_offsets(sizes, 4)  # every table 16-byte aligned, whatever the capacities
         self._sizes, self._offsets = sizes, offsets
         with torch.inference_mode(False):  # refreshed in place by calls in any grad mode
@@ -310,6 +310,8 @@ class SharedPrefixBuffers:
         self.suffix_tiles = views[2].view(num_suffix, TILE_FIELDS)
         self.query_pos, self.query_shared = views[4], views[5]
         self.prefix_tile_leader = views[6]
+        self.prefix_splits = views[7]  # splits of each prefix (at most the launch's; see load)
+        self.prefix_splits.fill_(_INT32_MAX)
 
     @property
     def max_rows(self) -> int:
@@ -324,15 +326,21 @@ class SharedPrefixBuffers:
         buffers.load(plan)
         return buffers
 
-    def load(self, plan: SharedPrefixPlan) -> None:
-        """Copies ``plan``'s tables in (stream-ordered, no sync), padding the rest with zeros."""
+    def load(self, plan: SharedPrefixPlan, prefix_splits: int = _INT32_MAX) -> None:
+        """Copies ``plan``'s tables in (stream-ordered, no sync), padding the rest with zeros.
+
+        ``prefix_splits``: how many splits the kernels cut each prefix into (default: as many as launched).
+        """
+        if prefix_splits < 1:
+            raise ValueError("prefix_splits must be >= 1")
         if (plan.prefix_tile_q, plan.suffix_tile_q) != (self.prefix_tile_q, self.suffix_tile_q):
             raise ValueError(
                 f"plan tiles hold {plan.prefix_tile_q}/{plan.suffix_tile_q} queries, buffers "
                 f"{self.prefix_tile_q}/{self.suffix_tile_q}"
             )
         parts = [plan.prefix_tiles.reshape(-1), plan.prefix_queries, plan.suffix_tiles.reshape(-1),
-                 plan.suffix_queries, plan.query_pos, plan.query_shared, plan.prefix_tile_leader]
+                 plan.suffix_queries, plan.query_pos, plan.query_shared, plan.prefix_tile_leader,
+                 np.array([min(prefix_splits, _INT32_MAX)])]
         host = np.zeros(self._data.numel(), dtype=np.int32)
         for part, size, offset in zip(parts, self._sizes, self._offsets):
             if len(part) > size:

@@ -95,12 +95,16 @@ class SharedPrefixDecode:
 
     `share` is called once a step; it rebuilds the plan only when the batch's rows (or their locks)
     changed. ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
+    ``captured``: the attention is launched inside CUDA graphs, with `MAX_PREFIX_SPLITS` programs a prefix
+    tile whatever the plan's split count (the kernels read it from the buffers): one graph per batch size.
     """
 
-    def __init__(self, engine: RadixEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False):
+    def __init__(self, engine: RadixEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
+                 captured: bool = False):
         self.engine = engine
         self.cost = cost
         self.grow = grow
+        self.captured = captured
         self.buffers = self._buffers(max_rows)
         self.steps = 0  # decode steps that read shared prefixes once per group
         self.plans = 0  # plans built (batch membership changes)
@@ -146,8 +150,11 @@ class SharedPrefixDecode:
             if not self.grow:
                 return None
             self.buffers = self._buffers(1 << (step.batch_size - 1).bit_length())
-        self.buffers.load(plan)
-        return DecodeShare(self.buffers, step.batch_size, self._splits(plan))
+        return self._load(plan, step.batch_size, self._splits(plan))
+
+    def _load(self, plan: SharedPrefixPlan, rows: int, splits: int) -> DecodeShare:
+        self.buffers.load(plan, prefix_splits=splits)
+        return DecodeShare(self.buffers, rows, MAX_PREFIX_SPLITS if self.captured else splits)
 
     def _splits(self, plan: SharedPrefixPlan) -> int:
         from .kernels.triton_attention_common import _sm_count
@@ -164,6 +171,5 @@ class SharedPrefixDecode:
         plan = build_shared_prefix_plan(np.zeros(rows, dtype=np.int64), np.full(rows, prefix_len),
                                         np.cumsum(seq) - seq, seq, cost=cost, page_size=self.engine.page_size,
                                         suffix_tile_q=1)
-        self.buffers.load(plan)
         self._rows = None  # the next `share` plans afresh
-        return DecodeShare(self.buffers, rows, splits)
+        return self._load(plan, rows, splits)

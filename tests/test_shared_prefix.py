@@ -231,9 +231,29 @@ def _membership_check() -> dict[str, Any]:
     return {"ok": worst == 0.0, "max_abs_diff": worst}
 
 
+def _device_split_count_check() -> dict[str, Any]:
+    """Launched with more prefix splits than the tables hold (a captured graph's grid), the kernels split
+    each prefix into the tables' count: results equal a launch of exactly that many (bit for bit when the
+    suffix program folds the parts, as in decode graphs; merged, the empty parts move the sum's order)."""
+    from hf_radix.kernels.triton_shared_prefix import shared_prefix_attention
+
+    case = make_shared_case(DECODE_GROUPS, hq=4, hkv=2, d=16, page_size=4, seed=9)
+    diffs = {}
+    for suffix_splits in (1, 3):
+        plan = case_plan(case, prefix_parts=2)
+        exact = run_shared(case, 0.25, plan=plan, num_prefix_splits=2, num_suffix_splits=suffix_splits)
+        tiles = SharedPrefixBuffers.from_plan(plan, case["q"].device)
+        tiles.load(plan, prefix_splits=2)
+        wide = shared_prefix_attention(case["q"], case["k_cache"], case["v_cache"], case["slots"], tiles,
+                                       0.25, num_prefix_splits=8, num_suffix_splits=suffix_splits)
+        diffs[suffix_splits] = float((wide - exact).abs().max())
+    return {"ok": diffs[1] == 0.0 and diffs[3] <= 1e-6, "max_abs_diff": diffs}
+
+
 def _interp_main() -> None:
     checks = {name: lambda name=name: _run_case(name) for name in CASES}
     checks["membership"] = _membership_check
+    checks["device_split_count"] = _device_split_count_check
     report_checks(checks)
 
 
@@ -242,7 +262,7 @@ def interp_report() -> dict[str, Any]:
     return interpreter_report(__file__)
 
 
-@pytest.mark.parametrize("name", [*CASES, "membership"])
+@pytest.mark.parametrize("name", [*CASES, "membership", "device_split_count"])
 def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
     assert_check_passed(interp_report, name)
 
@@ -268,14 +288,14 @@ def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softc
 
     group = block_m // tile_q if block_m >= tile_q * 4 else 4
     pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
-    pointers.update({name: "*i32" for name in ("Tiles", "Queries", "QPos", "QShared")})
+    pointers.update({name: "*i32" for name in ("Tiles", "Queries", "QPos", "QShared", "PrefixSplits")})
     pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
                     cap_scale="fp32")
     block_d = triton.next_power_of_2(head_dim)
     cfg = sp.tile_config(block_m, head_dim, torch.bfloat16, torch.device("cuda"))
     constexprs = dict(GROUP=group, TILE_Q=tile_q, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim,
                       BLOCK_DV=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=window,
-                      SOFTCAP=softcap, HAS_SINKS=sinks, FINAL=final, DOT_PREC="tf32")
+                      SOFTCAP=softcap, HAS_SINKS=sinks, FINAL=final, IS_PREFIX=not final, DOT_PREC="tf32")
     kernel = compile_test._compile(sp._shared_prefix_tile_kernel, pointers, constexprs, cfg["num_warps"],
                                    cfg["num_stages"])
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]

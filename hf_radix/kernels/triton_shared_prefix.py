@@ -69,25 +69,32 @@ _CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 # split counts, part offsets and the partial-result strides vary with the batch: not specialized on
 @triton.jit(do_not_specialize=["window", "part0", "num_prev", "stride_lt", "stride_lh"])
 def _shared_prefix_tile_kernel(
-    Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, Sinks, Out, Mid_o, Mid_lse,
+    Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
     qk_scale, cap_scale, window, part0, num_prev,
     stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    IS_PREFIX: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Grid (tiles, kv_heads, splits). M rows are (query, head) pairs: query m // GROUP of the tile, query
     # head kvh * GROUP + m % GROUP, so each K/V tile is loaded once for all of them. Tiles of one group are
     # consecutive in the table and in launch order, so a group's further tiles find its prefix in L2.
-    # Parts [0, num_prev) of each query are its shared-prefix results (valid where QShared != 0): FINAL
-    # folds them in and writes the output; otherwise split 0 of a suffix launch empties them for queries
-    # without a shared prefix, so the merge kernel can take every part.
+    # A prefix launch (IS_PREFIX; part0 == num_prev == 0) splits each prefix into the tables' split count
+    # (read on the device, at most the grid's: one captured graph serves every count); its programs past
+    # the count do nothing. Parts [0, num_prev) of each query are the prefix launch's slots, the first
+    # `prefix_parts` of them its results (valid where QShared != 0): FINAL folds those in and writes the
+    # output; otherwise split 0 of a suffix launch empties the others, so the merge kernel takes every part.
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
+    prefix_parts = tl.minimum(tl.load(PrefixSplits), num_prev)
+    if IS_PREFIX:
+        num_splits = tl.minimum(tl.load(PrefixSplits), num_splits)
+        if split >= num_splits:
+            return
     meta = Tiles + tile * 5
     q_len = tl.load(meta + 4)
     if q_len == 0:
@@ -151,7 +158,7 @@ def _shared_prefix_tile_kernel(
     shared = tl.load(QShared + tok, mask=m_mask, other=0)
     if FINAL:
         prev = m_mask & (shared != 0)
-        for part in range(0, num_prev):
+        for part in range(0, prefix_parts):
             lse_p = tl.load(mid_lse + part, mask=prev, other=float("-inf"))
             o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & dv_mask[None, :], other=0.0)
             m_new = tl.maximum(m_i, lse_p)
@@ -170,9 +177,10 @@ def _shared_prefix_tile_kernel(
         if split == 0:
             alone = m_mask & (shared == 0)
             for part in range(0, num_prev):
+                empty = alone | (m_mask & ((shared * 0 + part) >= prefix_parts))
                 tl.store(mid_o + part * stride_ms, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32),
-                         mask=alone[:, None] & dv_mask[None, :])
-                tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"), mask=alone)
+                         mask=empty[:, None] & dv_mask[None, :])
+                tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"), mask=empty)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -239,7 +247,10 @@ def shared_prefix_attention(
     tokens must already be in the pool. ``tiles`` is the batch's
     :class:`~hf_radix.prefix_groups.SharedPrefixBuffers`. ``sinks`` ``[Hq]`` are attention-sink logits
     (natural log units), counted once in each softmax denominator. Split counts are python ints chosen by
-    the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range).
+    the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range);
+    prefixes are split into the smaller of ``num_prefix_splits`` and the count the tables hold on the device
+    (``tiles.prefix_splits``, set by their ``load``), so a captured graph launched with the largest count
+    replays batches of any.
     Returns ``[T, Hq, Dv]`` in ``q``'s dtype; rows of tokens outside every suffix tile are undefined.
     """
     hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
@@ -267,10 +278,11 @@ def shared_prefix_attention(
     window, use_window = _window(sliding_window)
 
     def launch(table: torch.Tensor, queries: torch.Tensor, tile_q: int, splits: int, part0: int,
-               num_prev: int, is_final: bool) -> None:
+               num_prev: int, is_final: bool, is_prefix: bool) -> None:
         block_m = _block_m(tile_q, group)
         args = (
-            q, k_cache, v_cache, slots, table, queries, tiles.query_pos, tiles.query_shared, sinks, out,
+            q, k_cache, v_cache, slots, table, queries, tiles.query_pos, tiles.query_shared,
+            tiles.prefix_splits, sinks, out,
             mid_o, mid_lse, qk_scale, cap_scale, window, part0, num_prev,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
             v_cache.stride(1), out.stride(0), out.stride(1), *mstrides,
@@ -278,16 +290,17 @@ def shared_prefix_attention(
         kwargs: dict[str, Any] = dict(
             GROUP=group, TILE_Q=tile_q, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM_V=dv,
             BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m, USE_WINDOW=use_window, SOFTCAP=use_cap,
-            HAS_SINKS=has_sinks, FINAL=is_final, DOT_PREC=_dot_prec(q.dtype),
+            HAS_SINKS=has_sinks, FINAL=is_final, IS_PREFIX=is_prefix, DOT_PREC=_dot_prec(q.dtype),
         )
         cfg = tile_config(block_m, max(d, dv), q.dtype, q.device)
         _launch(f"shared_prefix_m{block_m}", _shared_prefix_tile_kernel, (table.shape[0], hkv, splits), cfg,
                 _SAFE_CFG, d, q.dtype, args, kwargs)
 
     if prefix_parts:
-        launch(tiles.prefix_tiles, tiles.prefix_queries, tiles.prefix_tile_q, num_prefix_splits, 0, 0, False)
+        launch(tiles.prefix_tiles, tiles.prefix_queries, tiles.prefix_tile_q, num_prefix_splits, 0, 0, False,
+               True)
     launch(tiles.suffix_tiles, tiles.suffix_queries, tiles.suffix_tile_q, num_suffix_splits, prefix_parts,
-           prefix_parts, final)
+           prefix_parts, final, False)
     if not final:
         _merge_splits(mid_o, mid_lse, out, num_parts, sinks, has_sinks)
     return out
