@@ -116,7 +116,7 @@ class RadixGenerateCache(RadixCache):
                 self.computed[b] = len(self.tokens[b])
         if self.steps == 0:
             self._embeds = None
-            self._share_duplicates()
+            self._cache_prompts()
         self.steps += 1
         return output
 
@@ -370,13 +370,17 @@ class RadixGenerateCache(RadixCache):
             for b, end in ends.items():
                 self.computed[b] = end
 
-    def _share_duplicates(self) -> None:
-        """After the first step: rows with a duplicated prompt reuse the K/V their first copy computed."""
-        if not self._followers:
-            return
+    def _cache_prompts(self) -> None:
+        """After the first step: each row's prompt goes into the tree and the row's lock moves there.
+
+        Rows whose prompts share a prefix then read the tree's one copy of it (pages the prefill computed
+        twice are freed; decode reads a shared prefix once per group, as for prefixes cached before the
+        call), and rows with a duplicated prompt reuse the K/V their first copy computed.
+        """
         manager = self.engine.manager
-        for leader in set(self._followers.values()):
-            manager.cache_req(self.rows[leader], self.tokens[leader], self.computed[leader], finished=False)
+        for b, row in enumerate(self.rows):
+            if row is not None and not self.opaque[b] and b not in self._followers:
+                manager.cache_req(row, self.tokens[b], self.computed[b], finished=False)
         for b, leader in self._followers.items():
             # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
             tokens, row = self.tokens[b], self.rows[b]

@@ -209,8 +209,9 @@ def _runner_check(page_size: int, graphs: bool) -> dict[str, Any]:
     return res
 
 
-def _generate_check(page_size: int) -> dict[str, Any]:
-    """generate(cache_implementation="radix"): a cached few-shot prefix, then a batch of questions."""
+def _generate_check(page_size: int, cached_first: bool = True) -> dict[str, Any]:
+    """generate(cache_implementation="radix"): a batch of questions after one few-shot prefix, cached by an
+    earlier call or (``cached_first=False``) first computed in this one."""
     model = fresh_model("llama")
     engine = hf_radix.configure(model, attn_backend="triton", max_total_tokens=2048, page_size=page_size)
     _keep_all(engine.model_runner.eager_shared)
@@ -225,7 +226,8 @@ def _generate_check(page_size: int) -> dict[str, Any]:
                              cache_implementation="radix")
         return [row[width:].tolist() for row in out]
 
-    generate([system + random_ids(gen, 3)])  # caches the prefix
+    if cached_first:
+        generate([system + random_ids(gen, 3)])  # caches the prefix
     before = engine.model_runner.shared_prefix_steps
     prompts = [system + random_ids(gen, 2 + i) for i in range(3)] + [random_ids(gen, 5)]
     outs = generate(prompts)
@@ -272,6 +274,7 @@ CHECKS = {
     "runner_eager_p4": lambda: _runner_check(4, graphs=False),
     "generate_p1": lambda: _generate_check(1),
     "generate_p4": lambda: _generate_check(4),
+    "generate_uncached_prefix_p4": lambda: _generate_check(4, cached_first=False),
 }
 
 
