@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT.
+# What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT. Every benchmark
+# starts with an empty Triton cache (its first run is a fresh process's: nothing compiled by an earlier one).
 # Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 for step in "$@"; do
+  if [ "$step" != tests ]; then TRITON_CACHE_DIR=$(mktemp -d); export TRITON_CACHE_DIR; fi
   case $step in
     tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -n 6 --tb=short tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     profile) timeout 300 python3 bench/profile_runs.py 2>&1 | tee "$OUT/profile.log" ;;
