@@ -14,6 +14,8 @@ backends = pytest.importorskip("triton.backends.compiler")
 
 from hf_radix.kernels import triton_attention_common, triton_decode, triton_extend  # noqa: E402
 
+pytestmark = pytest.mark.slow  # kernels alone: no transformers version changes them
+
 SM90 = backends.GPUTarget("cuda", 90, 32)
 
 

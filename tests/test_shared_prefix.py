@@ -19,6 +19,8 @@ from interpreter import assert_check_passed, interpreter_report, report_checks
 
 from hf_radix.prefix_groups import SharedPrefixBuffers, SharedPrefixCost, build_shared_prefix_plan
 
+pytestmark = pytest.mark.slow  # kernels alone: no transformers version changes them
+
 # --------------------------------------------------------------------------------------------------------
 # Case builder and float64 reference
 # --------------------------------------------------------------------------------------------------------
