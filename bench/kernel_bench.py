@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,16 @@ def _time_decode(
         triton_decode._DECODE_CFG_OVERRIDE = None
 
 
+def _decode_point(label: str, q: torch.Tensor, pool: torch.Tensor, kv_indices: torch.Tensor,
+                  kv_indptr: torch.Tensor, kv_bytes: int, splits: int,
+                  cfg: dict[str, int] | None) -> dict[str, Any]:
+    """Times one decode launch and prints it: ms, the K+V read bandwidth (GB/s) and its share of PEAK_BW."""
+    ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
+    bw = kv_bytes / (ms * 1e-3)
+    print(f"{label}: {ms * 1e3:8.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
+    return {"ms": ms, "GBps": bw / 1e9, "frac_peak": bw / PEAK_BW}
+
+
 def bench_decode(quick: bool) -> list[dict[str, Any]]:
     batch, ctx, hq, hkv, d = 256, 2048, 32, 8, 128
     gen = torch.Generator().manual_seed(0)
@@ -129,25 +140,11 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
         if not quick:
             variants += [(cfg, default_splits) for cfg in DECODE_SWEEP] + [(None, 2), (None, 4)]
         for cfg, splits in variants:
-            ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
-            bw = kv_bytes / (ms * 1e-3)
             used = cfg or ta._decode_config(d, q.dtype, q.device)
-            results.append(
-                {
-                    "page_size": page_size,
-                    "splits": splits,
-                    "cfg": used,
-                    "default": cfg is None and splits == default_splits,
-                    "ms": ms,
-                    "GBps": bw / 1e9,
-                    "frac_peak": bw / PEAK_BW,
-                }
-            )
-            print(
-                f"decode p{page_size:<2} splits={splits:<2} {used}: {ms * 1e3:8.1f} us  "
-                f"{bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})",
-                flush=True,
-            )
+            point = _decode_point(f"decode p{page_size:<2} splits={splits:<2} {used}", q, pool, kv_indices,
+                                  kv_indptr, kv_bytes, splits, cfg)
+            results.append({"page_size": page_size, "splits": splits, "cfg": used,
+                            "default": cfg is None and splits == default_splits, **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -162,13 +159,10 @@ def bench_decode_small() -> list[dict[str, Any]]:
     auto = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
     results = []
     for rep, splits in [(r, sp) for r in range(2) for sp in sorted({1, 4, auto, 8, 16, 32})]:
-        ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, None)
-        bw = kv_bytes / (ms * 1e-3)
+        label = f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}"
+        point = _decode_point(label, q, pool, kv_indices, kv_indptr, kv_bytes, splits, None)
         results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "rep": rep,
-                        "ms": ms,
-                        "frac_peak": bw / PEAK_BW})
-        print(f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}: "
-              f"{ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
+                        **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -185,18 +179,14 @@ def bench_decode_d256() -> list[dict[str, Any]]:
     for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
                 "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                 {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
+        used = cfg or ta._decode_config(d, q.dtype, q.device)
         try:
-            ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
+            point = _decode_point(f"decode d256 B64x4096 splits={splits} {used}", q, pool, kv_indices,
+                                  kv_indptr, kv_bytes, splits, cfg)
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
             print(f"decode d256 {cfg}: {str(exc)[:120]}", flush=True)
             continue
-        bw = kv_bytes / (ms * 1e-3)
-        used = cfg or ta._decode_config(d, q.dtype, q.device)
-        results.append(
-            {"splits": splits, "cfg": used, "default": cfg is None, "ms": ms, "frac_peak": bw / PEAK_BW}
-        )
-        print(f"decode d256 B64x4096 splits={splits} {used}: {ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s "
-              f"({bw / PEAK_BW:5.1%})", flush=True)
+        results.append({"splits": splits, "cfg": used, "default": cfg is None, **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -409,7 +399,7 @@ def bench_extend(quick: bool, old_ref: str, old_file: str | None = None, rounds:
         for label, _, cfgs, _ in variants:
             if label not in times:
                 continue
-            ms = float(torch.tensor(times[label]).median())
+            ms = statistics.median(times[label])
             rec = {"shape": s["name"], "variant": label, "cfgs": cfgs, "ms": ms, "ms_rounds": times[label],
                    "tflops": s["flops"] / (ms * 1e-3) / 1e12, "rows": n, "tokens": int(s["q"].shape[0]),
                    "kw": s["kw"], "rel_err_vs_fp32": _rel_err(outs[label], s, ref)}
