@@ -9,7 +9,7 @@
     time-to-first-token row; also a sliding window behind a longer prefix (Llama heads; Gemma-2 heads with
     soft-capping) and head size 96 (Phi-3: not a power of two). An earlier kernel (git --old-ref, or
     --old-file) vs the committed configs vs a sweep of config lists, each timed --rounds times
-    interleaved (median); ms, TFLOP/s, error vs an fp32 reference; the best config list is printed, and
+    interleaved (median); ms, TFLOP/s, error vs a float64 reference; the best config list is printed, and
     for the earlier and the committed kernel the compiled variants (registers, spills, shared memory,
     global loads / async copies / MMAs in the PTX).
 (c) store: first-build and cached-load time of the CUDA store kernel; time vs torch index_copy_ for
@@ -37,7 +37,9 @@ import triton
 import triton.testing
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from test_kernels import ref_attention_row  # noqa: E402 - the float64 attention reference of the tests
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
@@ -320,26 +322,18 @@ def _extend_call(fn: Any, s: dict[str, Any], **kw: Any) -> torch.Tensor:
 
 
 def _extend_reference(s: dict[str, Any], row_ids: list[int]) -> dict[int, torch.Tensor]:
-    """fp32 outputs of a few rows (K/V gathered, query heads expanded), with the shape's window and
-    soft-cap."""
+    """float64 outputs of a few rows, with the shape's window and soft-cap (the tests' reference)."""
     out = {}
     scaling = s["q"].shape[-1] ** -0.5
-    group = s["q"].shape[1] // s["k_new"].shape[1]
-    window, softcap = s["kw"]["sliding_window"], s["kw"]["softcap"]
     for i in row_ids:
         a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
         p0, p1 = int(s["prefix_kv_indptr"][i]), int(s["prefix_kv_indptr"][i + 1])
         slots = s["prefix_kv_indices"][p0:p1].long()
-        k = torch.cat([s["k_cache"][slots], s["k_new"][a:b]]).float().repeat_interleave(group, 1)
-        v = torch.cat([s["v_cache"][slots], s["v_new"][a:b]]).float().repeat_interleave(group, 1)
-        qpos = torch.arange(p1 - p0, p1 - p0 + b - a, device=k.device)[:, None]
-        kpos = torch.arange(k.shape[0], device=k.device)[None, :]
-        mask = (kpos <= qpos) & ((qpos - kpos < window) if window else True)
-        scores = torch.einsum("thd,khd->htk", s["q"][a:b].float(), k) * scaling
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out[i] = torch.einsum("htk,khd->thd", probs, v)
+        k = torch.cat([s["k_cache"][slots], s["k_new"][a:b]]).cpu()
+        v = torch.cat([s["v_cache"][slots], s["v_new"][a:b]]).cpu()
+        q_pos = torch.arange(p1 - p0, p1 - p0 + b - a)
+        out[i] = ref_attention_row(s["q"][a:b].cpu(), k, v, q_pos, scaling, s["kw"]["sliding_window"],
+                                   s["kw"]["softcap"])
     return out
 
 
@@ -347,7 +341,7 @@ def _rel_err(out: torch.Tensor, s: dict[str, Any], ref: dict[int, torch.Tensor])
     num = den = 0.0
     for i, r in ref.items():
         a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
-        num += float((out[a:b].float() - r).norm() ** 2)
+        num += float((out[a:b].cpu().double() - r).norm() ** 2)
         den += float(r.norm() ** 2)
     return (num / max(den, 1e-30)) ** 0.5
 
@@ -365,7 +359,7 @@ def _time_extend(s: dict[str, Any], fn: Any, cfgs: list[dict[str, int]] | None,
 def bench_extend(quick: bool, old_ref: str, old_file: str | None = None, rounds: int = 1) -> dict[str, Any]:
     """Each shape: the earlier kernel (``old_file``, else git ``old_ref``'s), the committed default, and
     (unless quick) every config list of EXTEND_SWEEP and the unpacked layout, each timed ``rounds`` times
-    in turn (median ms); ms, TFLOP/s, error vs an fp32 reference; then both kernels' compiled variants."""
+    in turn (median ms); ms, TFLOP/s, error vs the float64 reference; then both kernels' compiled variants."""
     old = _load_old_extend(old_ref, old_file)
     if old is None:
         print(f"extend: git cannot show {old_ref} (pass --old-file); timing the new kernel only", flush=True)
@@ -402,11 +396,11 @@ def bench_extend(quick: bool, old_ref: str, old_file: str | None = None, rounds:
             ms = statistics.median(times[label])
             rec = {"shape": s["name"], "variant": label, "cfgs": cfgs, "ms": ms, "ms_rounds": times[label],
                    "tflops": s["flops"] / (ms * 1e-3) / 1e12, "rows": n, "tokens": int(s["q"].shape[0]),
-                   "kw": s["kw"], "rel_err_vs_fp32": _rel_err(outs[label], s, ref)}
+                   "kw": s["kw"], "rel_err_vs_float64": _rel_err(outs[label], s, ref)}
             results.append(rec)
             spread = f" [{min(times[label]) * 1e3:.1f}, {max(times[label]) * 1e3:.1f}]" if rounds > 1 else ""
             print(f"extend {s['name']:<40} {label:<44} {ms * 1e3:9.1f} us{spread}  "
-                  f"{rec['tflops']:6.1f} TFLOP/s  err {rec['rel_err_vs_fp32']:.1e}", flush=True)
+                  f"{rec['tflops']:6.1f} TFLOP/s  err {rec['rel_err_vs_float64']:.1e}", flush=True)
         del s, outs
         torch.cuda.empty_cache()
     compiled = {"committed": _compiled_variants(triton_extend._extend_kernel)}
