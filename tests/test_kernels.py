@@ -3,7 +3,8 @@
 The Triton checks run in one interpreter subprocess (`tests/interpreter.py`); each pytest test asserts on its
 own case.
 
-This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py``.
+This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py`` and
+``bench/kernel_bench.py``.
 """
 
 from __future__ import annotations
