@@ -11,7 +11,6 @@ of that many prompts (the goal: below 1% of it).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -20,6 +19,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import write_result  # noqa: E402
 
 from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
 from hf_radix.request import Req  # noqa: E402
@@ -91,11 +92,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
     result = run(args.prompts, args.groups, args.prefix_len, args.suffix_len, args.zero_reuse, args.seed)
-    result["command"] = "python bench/schedule_bench.py " + " ".join(sys.argv[1:])
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":
