@@ -1,8 +1,9 @@
 """Cache-aware order of pending prompts: prefix groups served by what the radix tree holds now.
 
-Pending requests are kept in depth-first order of their prompts' trie, so batch-mates share prefixes and
-a prefix one of them computes is reused by the next ones. The trie is keyed by blocks of `BLOCK` tokens
-(one hash per block), so the sort compares `BLOCK` times fewer items than comparing token lists.
+Pending requests are kept in depth-first order of their prompts' trie (over the tokens a prefix match may
+cover), so batch-mates share prefixes and a prefix one of them computes is reused by the next ones. The
+trie is keyed by blocks of `BLOCK` tokens (one hash per block, all of a prompt's blocks hashed in one
+vectorized product), so the sort compares `BLOCK` times fewer items than comparing token lists.
 Prompts sharing their first block form a group; whenever the current group is used up, the next group is
 chosen among the first `WINDOW` waiting ones by the cached length of its head prompt in the tree
 (longest first, like SGLang's "lpm"), then by how many prompts share it (heaviest first, like
@@ -25,17 +26,20 @@ BLOCK = 64
 WINDOW = 16
 
 
-class _Queued(Protocol):
-    token_ids: list[int]
+# odd multipliers: blocks differing in one token always hash apart (int64 products wrap around)
+_BLOCK_WEIGHTS = np.random.default_rng(0).integers(0, 1 << 62, BLOCK, dtype=np.int64) * 2 + 1
 
+
+class _Queued(Protocol):
     @property
     def match_ids(self) -> np.ndarray: ...
 
 
-def trie_key(ids: list[int]) -> tuple[int, ...]:
+def trie_key(ids: np.ndarray) -> tuple[int, ...]:
     """Sort key of a prompt: one hash per whole block of tokens, then the remaining tokens themselves."""
     whole = len(ids) - len(ids) % BLOCK
-    return (*[hash(tuple(ids[i : i + BLOCK])) for i in range(0, whole, BLOCK)], *ids[whole:])
+    hashes = ids[:whole].reshape(-1, BLOCK) @ _BLOCK_WEIGHTS
+    return (*hashes.tolist(), *ids[whole:].tolist())
 
 
 @dataclass
@@ -60,7 +64,7 @@ class PrefixAwareQueue:
         cached_len: Callable[[np.ndarray], int],
         evictions: Callable[[], int],
     ):
-        keyed = sorted(((trie_key(r.token_ids), i, r) for i, r in enumerate(reqs)), key=lambda t: t[:2])
+        keyed = sorted(((trie_key(r.match_ids), i, r) for i, r in enumerate(reqs)), key=lambda t: t[:2])
         self._groups: deque[_Group] = deque()
         for key, _, req in keyed:
             head = key[0] if key else None
