@@ -78,6 +78,8 @@ class MatchHandle:
 
 def _as_int_array(x: Any, what: str) -> np.ndarray:
     """Converts a 1-D int sequence (list, ndarray, CPU torch tensor) to a contiguous int64 array."""
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
+        return x  # what the scheduler passes: no conversion, no checks to make
     if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch tensor, without importing torch
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
@@ -316,9 +318,11 @@ class RadixPrefixCache:
                 break
             key = child.key
             m = min(len(key), n - pos)
-            neq = key[:m] != ids[pos:pos + m]
-            first = int(neq.argmax())
-            matched = first if neq[first] else m
+            if key[:m].tobytes() == ids[pos:pos + m].tobytes():  # a memcmp: the usual whole-segment match
+                matched = m
+            else:
+                neq = key[:m] != ids[pos:pos + m]
+                matched = int(neq.argmax())
             matched -= matched % ps
             pos += matched
             if matched < len(key):
