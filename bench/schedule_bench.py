@@ -1,11 +1,19 @@
-"""CPU micro-benchmark of the cache-aware pending queue (schedule_policy.PrefixAwareQueue).
+"""CPU benchmark of the cache-aware pending queue (schedule_policy.PrefixAwareQueue) and its cost in a run.
 
-Builds `--prompts` requests over `--groups` shared few-shot prefixes (plus `--zero-reuse` unrelated ones),
-then drains the queue as the scheduler would, inserting each served prompt into a radix tree (the prefix
-its batch-mates then reuse). Reports the queue's own cost (build, and every head/popleft including its
-tree matches) apart from the tree inserts, and the former static sort for comparison. Not a test: run
-`python bench/schedule_bench.py [--json PATH]`; compare `queue_total_s` with the run time of a real run
-of that many prompts (the goal: below 1% of it).
+Default: builds `--prompts` requests over `--groups` shared few-shot prefixes (plus `--zero-reuse` unrelated
+ones), then drains the queue as the scheduler would, inserting each served prompt into a radix tree (the
+prefix its batch-mates then reuse). Reports the queue's own cost (build, and every head/popleft including
+its tree matches) apart from the tree inserts, and the former static sort for comparison.
+
+`--scheduled`: the real thing with the forward stubbed. `--prompts` few-shot scoring requests (questions
+behind `--groups` distinct ~1-1.5K-token preambles, each scored against 4 choices) go through
+`RadixBatchRunner.loglikelihood`: the real scheduler, queue, cache manager, tree (with eviction, the pool
+being `--pool-tokens`) and metadata; `engine.run_model` returns canned logits. Reports the seconds spent in
+the queue (build, head, popleft, extendleft, with the tree matches it makes) and in the scheduler's
+`_schedule` (admission, which includes the queue), against the run's own wall and against an estimated
+H200 run: the tokens this run computes x the seconds per computed token of the H200 scoring benchmark
+(`bench/results/score_bench_h200.json`: hf_radix seconds / computed tokens, Llama-3.1-8B shape). Goal:
+the order below 1% of the run. Not a test: `python bench/schedule_bench.py --scheduled --json PATH`.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_radix import schedule_policy  # noqa: E402
+from hf_radix import scheduler as scheduler_module  # noqa: E402
 from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
 from hf_radix.request import Req  # noqa: E402
 from hf_radix.sampling import SamplingParams  # noqa: E402
@@ -80,6 +90,120 @@ def run(prompts: int, groups: int, prefix_len: int, suffix_len: int, zero_reuse:
     }
 
 
+SCORE_BENCH = Path(__file__).resolve().parent / "results" / "score_bench_h200.json"
+
+
+def _few_shot_pairs(prompts: int, groups: int, vocab: int, seed: int) -> list[tuple[list[int], list[int]]]:
+    """`prompts` (context, choice) pairs: 4 choices (2-10 tokens) per question (50-300 tokens) behind one
+    of `groups` preambles (1,000-1,500 tokens); questions interleave the preambles in input order."""
+    rng = np.random.default_rng(seed)
+    preambles = [rng.integers(2, vocab, int(rng.integers(1000, 1501))).tolist() for _ in range(groups)]
+    pairs = []
+    for q in range(-(-prompts // 4)):
+        context = preambles[q % groups] + rng.integers(2, vocab, int(rng.integers(50, 301))).tolist()
+        pairs += [(context, rng.integers(2, vocab, int(rng.integers(2, 11))).tolist()) for _ in range(4)]
+    return pairs[:prompts]
+
+
+class _Clock:
+    """Seconds spent inside the wrapped functions (outermost calls only) and how many calls."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.calls = 0
+        self._depth = 0
+
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if not self._depth:
+                    self.seconds += time.perf_counter() - started
+                    self.calls += 1
+
+        return timed
+
+
+def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dict:
+    """A whole scoring run through the real scheduler with the forward stubbed; see the module docstring."""
+    from host_cost_bench import VOCAB, _fake_forward, _stub_slot_lists
+
+    from hf_radix import RadixBatchRunner
+    from hf_radix.tiny import tiny_model
+
+    model = tiny_model("llama", vocab_size=VOCAB, max_position_embeddings=4096, eos_token_id=None)
+    runner = RadixBatchRunner(model, max_total_tokens=pool_tokens, attn_backend="torch", warm_up=False,
+                              max_running_requests=256, chunked_prefill_size=8192)
+    _fake_forward(runner.engine)
+    pairs = _few_shot_pairs(prompts, groups, VOCAB, seed)
+    runner.loglikelihood(pairs[:256], progress=False)  # first run: tables grow
+    runner.reset_cache()
+
+    queue, schedule = _Clock(), _Clock()
+    cls = schedule_policy.PrefixAwareQueue
+    methods = {name: getattr(cls, name) for name in ("__init__", "__getitem__", "popleft", "extendleft")}
+    matches = [0]
+    real_schedule = scheduler_module.Scheduler._schedule
+    real_gpu_cached_len = type(runner.engine.manager).gpu_cached_len
+
+    def counted_cached_len(self, ids):
+        matches[0] += 1
+        return real_gpu_cached_len(self, ids)
+
+    for name, fn in methods.items():
+        setattr(cls, name, queue.wrap(fn))
+    scheduler_module.Scheduler._schedule = schedule.wrap(real_schedule)
+    type(runner.engine.manager).gpu_cached_len = counted_cached_len
+    before = runner.engine.stats_dict()
+    try:
+        with _stub_slot_lists():
+            started = time.perf_counter()
+            runner.loglikelihood(pairs, progress=False)
+            wall = time.perf_counter() - started
+    finally:
+        for name, fn in methods.items():
+            setattr(cls, name, fn)
+        scheduler_module.Scheduler._schedule = real_schedule
+        type(runner.engine.manager).gpu_cached_len = real_gpu_cached_len
+    runner.check_integrity()
+    after = runner.engine.stats_dict()
+    done = {k: after[k] - before[k] for k in ("computed_tokens", "prompt_tokens", "cached_tokens",
+                                              "forward_calls", "evicted_tokens")}
+    h200 = json.loads(SCORE_BENCH.read_text())
+    per_token = h200["hf_radix"]["seconds"] / h200["hf_radix"]["computed_tokens"]
+    gpu_run = done["computed_tokens"] * per_token
+    return {
+        "config": {"prompts": len(pairs), "questions": len(pairs) // 4, "groups": groups,
+                   "preamble_tokens": [1000, 1500], "question_tokens": [50, 300], "choice_tokens": [2, 10],
+                   "pool_tokens": pool_tokens, "chunked_prefill_size": 8192, "max_running_requests": 256,
+                   "vocab": VOCAB, "seed": seed},
+        "machine": {"python": platform.python_version(), "numpy": np.__version__,
+                    "cpu": platform.processor() or platform.machine()},
+        "run": done,
+        "run_wall_s_cpu_stubbed": wall,
+        "queue_s": queue.seconds,
+        "queue_calls": queue.calls,
+        "queue_tree_matches": matches[0],
+        "schedule_s": schedule.seconds,
+        "schedule_calls": schedule.calls,
+        "gpu_estimate": {
+            "basis": "computed tokens x H200 seconds per computed token of the 5-shot scoring benchmark "
+                     f"({SCORE_BENCH.name}: {h200['hf_radix']['seconds']:.3f} s / "
+                     f"{h200['hf_radix']['computed_tokens']} tokens, Llama-3.1-8B shape, bf16)",
+            "seconds_per_token": per_token,
+            "run_s": gpu_run,
+        },
+        "queue_fraction_of_gpu_run": queue.seconds / gpu_run,
+        "schedule_fraction_of_gpu_run": schedule.seconds / gpu_run,
+        "queue_fraction_of_wall": queue.seconds / wall,
+        "schedule_fraction_of_wall": schedule.seconds / wall,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", type=int, default=50_000)
@@ -89,8 +213,14 @@ def main() -> None:
     ap.add_argument("--zero-reuse", type=int, default=1000, help="prompts sharing nothing with the others")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    ap.add_argument("--scheduled", action="store_true",
+                    help="a whole scoring run through the real scheduler, forward stubbed (see above)")
+    ap.add_argument("--pool-tokens", type=int, default=200_000, help="KV pool of --scheduled")
     args = ap.parse_args()
-    result = run(args.prompts, args.groups, args.prefix_len, args.suffix_len, args.zero_reuse, args.seed)
+    if args.scheduled:
+        result = run_scheduled(args.prompts, args.groups, args.pool_tokens, args.seed)
+    else:
+        result = run(args.prompts, args.groups, args.prefix_len, args.suffix_len, args.zero_reuse, args.seed)
     result["command"] = "python bench/schedule_bench.py " + " ".join(sys.argv[1:])
     text = json.dumps(result, indent=2)
     print(text)

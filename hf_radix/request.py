@@ -57,8 +57,9 @@ class Req:
         size = max(n, self.final_len)
         if ids_array is not None and len(ids_array) != n:
             raise ValueError(f"ids_array holds {len(ids_array)} tokens, token_ids {n}")
-        if ids_array is not None and size == n and ids_array.dtype == np.int64 and ids_array.flags.c_contiguous:
-            self._ids = ids_array  # nothing to append (scoring): no copy
+        keep = ids_array is not None and ids_array.dtype == np.int64 and ids_array.flags.c_contiguous
+        if keep and size == n:
+            self._ids = ids_array  # nothing will be appended (scoring): no copy
         else:
             self._ids = np.empty(size, dtype=np.int64)
             self._ids[:n] = self.token_ids if ids_array is None else ids_array
