@@ -106,7 +106,8 @@ def _few_shot_pairs(prompts: int, groups: int, vocab: int, seed: int) -> list[tu
 
 
 class _Clock:
-    """Seconds spent inside the wrapped functions (outermost calls only) and how many calls."""
+    """CPU seconds of this thread inside the wrapped functions (outermost calls only; the machine's load
+    does not count) and how many calls."""
 
     def __init__(self):
         self.seconds = 0.0
@@ -116,16 +117,25 @@ class _Clock:
     def wrap(self, fn):
         def timed(*args, **kwargs):
             self._depth += 1
-            started = time.perf_counter()
+            started = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self._depth -= 1
                 if not self._depth:
-                    self.seconds += time.perf_counter() - started
+                    self.seconds += time.thread_time() - started
                     self.calls += 1
 
         return timed
+
+    @property
+    def net_s(self) -> float:
+        """`seconds` less what the wrapping adds inside the timed span (measured on an empty function)."""
+        probe = _Clock()
+        empty = probe.wrap(lambda: None)
+        for _ in range(100_000):
+            empty()
+        return max(0.0, self.seconds - probe.seconds / probe.calls * self.calls)
 
 
 def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dict:
@@ -143,9 +153,10 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
     runner.loglikelihood(pairs[:256], progress=False)  # first run: tables grow
     runner.reset_cache()
 
-    queue, schedule = _Clock(), _Clock()
+    clocks = {name: _Clock() for name in ("__init__", "__getitem__", "popleft", "extendleft")}
+    schedule = _Clock()
     cls = schedule_policy.PrefixAwareQueue
-    methods = {name: getattr(cls, name) for name in ("__init__", "__getitem__", "popleft", "extendleft")}
+    methods = {name: getattr(cls, name) for name in clocks}
     matches = [0]
     real_schedule = scheduler_module.Scheduler._schedule
     real_gpu_cached_len = type(runner.engine.manager).gpu_cached_len
@@ -155,15 +166,15 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
         return real_gpu_cached_len(self, ids)
 
     for name, fn in methods.items():
-        setattr(cls, name, queue.wrap(fn))
+        setattr(cls, name, clocks[name].wrap(fn))
     scheduler_module.Scheduler._schedule = schedule.wrap(real_schedule)
     type(runner.engine.manager).gpu_cached_len = counted_cached_len
     before = runner.engine.stats_dict()
     try:
         with _stub_slot_lists():
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             runner.loglikelihood(pairs, progress=False)
-            wall = time.perf_counter() - started
+            wall, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
     finally:
         for name, fn in methods.items():
             setattr(cls, name, fn)
@@ -176,6 +187,7 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
     h200 = json.loads(SCORE_BENCH.read_text())
     per_token = h200["hf_radix"]["seconds"] / h200["hf_radix"]["computed_tokens"]
     gpu_run = done["computed_tokens"] * per_token
+    order_s = sum(clock.net_s for clock in clocks.values())
     return {
         "config": {"prompts": len(pairs), "questions": len(pairs) // 4, "groups": groups,
                    "preamble_tokens": [1000, 1500], "question_tokens": [50, 300], "choice_tokens": [2, 10],
@@ -185,10 +197,12 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
                     "cpu": platform.processor() or platform.machine()},
         "run": done,
         "run_wall_s_cpu_stubbed": wall,
-        "queue_s": queue.seconds,
-        "queue_calls": queue.calls,
+        "run_thread_cpu_s_stubbed": cpu,
+        "queue_cpu_s": {name: clock.net_s for name, clock in clocks.items()},
+        "queue_calls": {name: clock.calls for name, clock in clocks.items()},
         "queue_tree_matches": matches[0],
-        "schedule_s": schedule.seconds,
+        "order_cpu_s": order_s,
+        "schedule_cpu_s": schedule.net_s,
         "schedule_calls": schedule.calls,
         "gpu_estimate": {
             "basis": "computed tokens x H200 seconds per computed token of the 5-shot scoring benchmark "
@@ -197,10 +211,10 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
             "seconds_per_token": per_token,
             "run_s": gpu_run,
         },
-        "queue_fraction_of_gpu_run": queue.seconds / gpu_run,
-        "schedule_fraction_of_gpu_run": schedule.seconds / gpu_run,
-        "queue_fraction_of_wall": queue.seconds / wall,
-        "schedule_fraction_of_wall": schedule.seconds / wall,
+        "order_fraction_of_gpu_run": order_s / gpu_run,
+        "schedule_fraction_of_gpu_run": schedule.net_s / gpu_run,
+        "order_fraction_of_run_cpu": order_s / cpu,
+        "schedule_fraction_of_run_cpu": schedule.net_s / cpu,
     }
 
 

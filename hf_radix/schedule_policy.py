@@ -10,8 +10,10 @@ current group is used up, the next group is chosen among the first `WINDOW` wait
 length of its head prompt in the tree (longest first, like SGLang's "lpm"), then by how many prompts
 share it (heaviest first, like "dfs-weight"), then queue order. A group's cached length is matched once
 and kept: serving other groups inserts prefixes it does not share (they differ in the first block), so
-only an eviction makes the queue match again, the current group included. Matches are thus about one per
-group plus `WINDOW` per eviction seen, and the order keeps up with the tree at a bounded cost.
+only an eviction makes the queue match again: the current group (it has been computing its prefix) and
+the waiting ones that had a prefix cached (an eviction cannot give one to a group that had none). Matches
+are thus about one per group plus a few per eviction seen, and the order keeps up with the tree at a
+bounded cost: no re-sort, no pass over the queue.
 """
 
 from __future__ import annotations
@@ -97,11 +99,13 @@ class PrefixAwareQueue:
     def __getitem__(self, index: int):
         if index != 0:
             raise IndexError("only the head of the pending queue can be read")
-        self._choose()
+        if not self._current.reqs or self._evictions() != self._seen_evictions:
+            self._choose()
         return self._current.reqs[0]
 
     def popleft(self):
-        self._choose()
+        if not self._current.reqs or self._evictions() != self._seen_evictions:
+            self._choose()
         self._size -= 1
         return self._current.reqs.popleft()
 
@@ -124,15 +128,16 @@ class PrefixAwareQueue:
             return
         self._seen_evictions = evictions
         if self._current.reqs:
+            self._current.cached_len = None  # it has been computing its prefix: match it again
             self._groups.appendleft(self._current)
         if not self._groups:
             raise IndexError("the pending queue is empty")
         window = [self._groups[i] for i in range(min(WINDOW, len(self._groups)))]
         for group in window:
-            if evicted or group.cached_len is None:
+            # an eviction only shortens cached prefixes: a group with none cached keeps none
+            if group.cached_len is None or evicted and group.cached_len:
                 group.cached_len = self._cached_len(group.reqs[0].match_ids)
         scores = [(group.cached_len, len(group.reqs), -i) for i, group in enumerate(window)]
         best = scores.index(max(scores))
         self._current = window[best]
         del self._groups[best]
-

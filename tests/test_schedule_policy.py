@@ -138,3 +138,26 @@ def test_equal_prompts_are_served_in_queue_order():
     reqs = [_Req(context) for _ in range(4)] + [other] + [_Req(context) for _ in range(2)]
     served = _drain(PrefixAwareQueue(reqs, lambda ids: 0, lambda: 0))
     assert served == [*reqs[:4], *reqs[5:], other]  # the heavier group first, each in input order
+
+
+def test_an_eviction_matches_again_only_the_current_group_and_those_with_a_cached_prefix():
+    warm, cold, current = _prefix(20, 2 * BLOCK), _prefix(21, 2 * BLOCK), _prefix(22, 2 * BLOCK)
+    reqs = [_Req(current + [i]) for i in range(5)] + [_Req(warm + [1]), _Req(cold + [1])]
+    tree = _tree_with(current, warm)
+    matched, evictions = [], [0]
+
+    def cached_len(ids):
+        matched.append(bytes(np.asarray(ids[:BLOCK], dtype=np.int64)))
+        return tree.match_prefix(ids).cached_len
+
+    queue = PrefixAwareQueue(reqs, cached_len, lambda: evictions[0])
+    assert queue.popleft() is reqs[0]  # cached as long as warm, and heavier
+    assert len(matched) == 3
+    matched.clear()
+    evictions[0] += 1
+    assert queue.popleft() is reqs[1]
+    key = {bytes(np.asarray(p[:BLOCK], dtype=np.int64)): name for p, name in
+           ((warm, "warm"), (cold, "cold"), (current, "current"))}
+    assert sorted(key[m] for m in matched) == ["current", "warm"]  # cold had nothing to lose
+    rest = _drain(queue)
+    assert rest == reqs[2:5] + reqs[5:]
