@@ -40,11 +40,17 @@ class _Queued(Protocol):
 
 def trie_keys(prompts: Sequence[np.ndarray]) -> np.ndarray:
     """`[len(prompts), blocks + 1]` int64 sort keys: a hash per whole block, then one of the partial block
-    (tokens + 1, so a trailing token 0 still counts), zeros after; sorting rows by bytes gives trie order."""
+    (tokens + 1, so a trailing token 0 still counts), zeros after; sorting rows by bytes gives trie order.
+
+    A prompt equal to the one before it (the choices of one question) copies its row instead."""
     lengths = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
     blocks = np.minimum(lengths // BLOCK, KEY_BLOCKS)
     keys = np.zeros((len(prompts), int(blocks.max(initial=0)) + 1), dtype=np.int64)
+    sizes = lengths.tolist()
     for row, (ids, count) in enumerate(zip(prompts, blocks.tolist())):
+        if row and sizes[row] == sizes[row - 1] and ids.tobytes() == prompts[row - 1].tobytes():  # a memcmp
+            keys[row] = keys[row - 1]
+            continue
         whole = count * BLOCK
         np.matmul(ids[:whole].reshape(count, BLOCK), _BLOCK_WEIGHTS, out=keys[row, :count])
         tail = ids[whole : whole + BLOCK] + 1
