@@ -313,16 +313,14 @@ class RadixPrefixCache:
         """Follows `ids` down the tree, splitting a partially matched node; touches the path with `tick`."""
         node, pos, n, ps = self._root, 0, len(ids), self.page_size
         while n - pos >= ps:
-            child = node.children.get(self._child_key(ids, pos))
+            child = node.children.get(int(ids[pos]) if ps == 1 else ids[pos:pos + ps].tobytes())  # _child_key
             if child is None:
                 break
             key = child.key
             m = min(len(key), n - pos)
-            if key[:m].tobytes() == ids[pos:pos + m].tobytes():  # a memcmp: the usual whole-segment match
-                matched = m
-            else:
-                neq = key[:m] != ids[pos:pos + m]
-                matched = int(neq.argmax())
+            head, part = key[:m], ids[pos:pos + m]
+            # a memcmp first: the usual whole-segment match
+            matched = m if head.tobytes() == part.tobytes() else int((head != part).argmax())
             matched -= matched % ps
             pos += matched
             if matched < len(key):
