@@ -8,10 +8,12 @@ its tree matches) apart from the tree inserts, and the former static sort for co
 `--scheduled`: the real thing with the forward stubbed. `--prompts` few-shot scoring requests (questions
 behind `--groups` distinct ~1-1.5K-token preambles, each scored against 4 choices) go through
 `RadixBatchRunner.loglikelihood`: the real scheduler, queue, cache manager, tree (with eviction, the pool
-being `--pool-tokens`) and metadata; `engine.run_model` returns canned logits. Reports the seconds spent in
-the queue (build, head, popleft, extendleft, with the tree matches it makes) and in the scheduler's
-`_schedule` (admission, which includes the queue), against the run's own wall and against an estimated
-H200 run: the tokens this run computes x the seconds per computed token of the H200 scoring benchmark
+being `--pool-tokens`) and metadata; `engine.run_model` returns canned logits. Reports the queue's cost, the order (its build, timed in the run;
+every head/popleft/extendleft the scheduler made, replayed in one timed span on a queue built the same
+way, with the tree's answers given back as recorded; the tree matches it made, timed in the run), and the
+scheduler's whole `_schedule` (admission, which includes the queue), all in CPU seconds of the thread
+(the machine's load does not inflate them), against the run's own CPU time and against an estimated H200
+run: the tokens this run computes x the seconds per computed token of the H200 scoring benchmark
 (`bench/results/score_bench_h200.json`: hf_radix seconds / computed tokens, Llama-3.1-8B shape). Goal:
 the order below 1% of the run. Not a test: `python bench/schedule_bench.py --scheduled --json PATH`.
 """
@@ -19,6 +21,7 @@ the order below 1% of the run. Not a test: `python bench/schedule_bench.py --sch
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import sys
@@ -105,37 +108,90 @@ def _few_shot_pairs(prompts: int, groups: int, vocab: int, seed: int) -> list[tu
     return pairs[:prompts]
 
 
-class _Clock:
-    """CPU seconds of this thread inside the wrapped functions (outermost calls only; the machine's load
-    does not count) and how many calls."""
+class _Recorder:
+    """Records what the scheduler asks of its PrefixAwareQueue in a run: the requests it was built from,
+    every call, every value its `evictions()` gave and every `cached_len` match (timed: CPU seconds of
+    this thread, which the machine's load does not inflate)."""
 
     def __init__(self):
-        self.seconds = 0.0
-        self.calls = 0
-        self._depth = 0
+        self.reqs: list = []
+        self.calls: list[tuple[str, list | None]] = []
+        self.served: list = []  # what each head/popleft returned
+        self.evictions: list[int] = []
+        self.matches: list[int] = []
+        self.match_s = 0.0
+        self.build_s = 0.0
 
-    def wrap(self, fn):
-        def timed(*args, **kwargs):
-            self._depth += 1
+    @contextlib.contextmanager
+    def recording(self):
+        cls = schedule_policy.PrefixAwareQueue
+        real = {name: getattr(cls, name) for name in ("__init__", "__getitem__", "popleft", "extendleft")}
+        recorder = self
+
+        def init(queue, reqs, cached_len, evictions):
+            recorder.reqs = list(reqs)
+
+            def timed_cached_len(ids):
+                started = time.thread_time()
+                length = cached_len(ids)
+                recorder.match_s += time.thread_time() - started
+                recorder.matches.append(length)
+                return length
+
+            def counted_evictions():
+                recorder.evictions.append(evictions())
+                return recorder.evictions[-1]
+
             started = time.thread_time()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if not self._depth:
-                    self.seconds += time.thread_time() - started
-                    self.calls += 1
+            real["__init__"](queue, recorder.reqs, timed_cached_len, counted_evictions)
+            recorder.build_s = time.thread_time() - started
 
-        return timed
+        def head(queue, index):
+            recorder.calls.append(("__getitem__", None))
+            recorder.served.append(real["__getitem__"](queue, index))
+            return recorder.served[-1]
 
-    @property
-    def net_s(self) -> float:
-        """`seconds` less what the wrapping adds inside the timed span (measured on an empty function)."""
-        probe = _Clock()
-        empty = probe.wrap(lambda: None)
-        for _ in range(100_000):
-            empty()
-        return max(0.0, self.seconds - probe.seconds / probe.calls * self.calls)
+        def popleft(queue):
+            recorder.calls.append(("popleft", None))
+            recorder.served.append(real["popleft"](queue))
+            return recorder.served[-1]
+
+        def extendleft(queue, reqs):
+            reqs = list(reqs)
+            recorder.calls.append(("extendleft", reqs))
+            return real["extendleft"](queue, reqs)
+
+        for name, fn in (("__init__", init), ("__getitem__", head), ("popleft", popleft),
+                         ("extendleft", extendleft)):
+            setattr(cls, name, fn)
+        try:
+            yield self
+        finally:
+            for name, fn in real.items():
+                setattr(cls, name, fn)
+
+    def replay_s(self) -> float:
+        """CPU seconds of every call again, in one timed span, on a queue built as in the run: the recorded
+        matches and eviction counts given back as they came (their cost is `match_s`, the build's
+        `build_s`, both timed in the run)."""
+        matches, evictions = iter(self.matches), iter(self.evictions)
+        served = []
+        queue = schedule_policy.PrefixAwareQueue(
+            self.reqs, lambda ids: next(matches), lambda: next(evictions)
+        )
+        started = time.thread_time()
+        for name, reqs in self.calls:
+            if name == "__getitem__":
+                served.append(queue[0])
+            elif name == "popleft":
+                served.append(queue.popleft())
+            else:
+                queue.extendleft(reqs)
+        seconds = time.thread_time() - started
+        same = len(served) == len(self.served) and all(a is b for a, b in zip(served, self.served))
+        if not same or next(evictions, None) is not None or next(matches, None) is not None:
+            raise RuntimeError("the replay did not repeat the run")
+        return seconds
 
 
 def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dict:
@@ -153,41 +209,38 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
     runner.loglikelihood(pairs[:256], progress=False)  # first run: tables grow
     runner.reset_cache()
 
-    clocks = {name: _Clock() for name in ("__init__", "__getitem__", "popleft", "extendleft")}
-    schedule = _Clock()
-    cls = schedule_policy.PrefixAwareQueue
-    methods = {name: getattr(cls, name) for name in clocks}
-    matches = [0]
+    schedule_s = [0.0, 0]
     real_schedule = scheduler_module.Scheduler._schedule
-    real_gpu_cached_len = type(runner.engine.manager).gpu_cached_len
 
-    def counted_cached_len(self, ids):
-        matches[0] += 1
-        return real_gpu_cached_len(self, ids)
+    def timed_schedule(scheduler):
+        started = time.thread_time()
+        try:
+            return real_schedule(scheduler)
+        finally:
+            schedule_s[0] += time.thread_time() - started
+            schedule_s[1] += 1
 
-    for name, fn in methods.items():
-        setattr(cls, name, clocks[name].wrap(fn))
-    scheduler_module.Scheduler._schedule = schedule.wrap(real_schedule)
-    type(runner.engine.manager).gpu_cached_len = counted_cached_len
+    recorder = _Recorder()
+    scheduler_module.Scheduler._schedule = timed_schedule
     before = runner.engine.stats_dict()
     try:
-        with _stub_slot_lists():
+        with _stub_slot_lists(), recorder.recording():
             started, started_cpu = time.perf_counter(), time.thread_time()
             runner.loglikelihood(pairs, progress=False)
             wall, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
     finally:
-        for name, fn in methods.items():
-            setattr(cls, name, fn)
         scheduler_module.Scheduler._schedule = real_schedule
-        type(runner.engine.manager).gpu_cached_len = real_gpu_cached_len
     runner.check_integrity()
     after = runner.engine.stats_dict()
     done = {k: after[k] - before[k] for k in ("computed_tokens", "prompt_tokens", "cached_tokens",
                                               "forward_calls", "evicted_tokens")}
+    replay_s = recorder.replay_s()
+    order_s = recorder.build_s + replay_s + recorder.match_s
+    calls = {name: sum(1 for n, _ in recorder.calls if n == name)
+             for name in ("__getitem__", "popleft", "extendleft")}
     h200 = json.loads(SCORE_BENCH.read_text())
     per_token = h200["hf_radix"]["seconds"] / h200["hf_radix"]["computed_tokens"]
     gpu_run = done["computed_tokens"] * per_token
-    order_s = sum(clock.net_s for clock in clocks.values())
     return {
         "config": {"prompts": len(pairs), "questions": len(pairs) // 4, "groups": groups,
                    "preamble_tokens": [1000, 1500], "question_tokens": [50, 300], "choice_tokens": [2, 10],
@@ -198,12 +251,14 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
         "run": done,
         "run_wall_s_cpu_stubbed": wall,
         "run_thread_cpu_s_stubbed": cpu,
-        "queue_cpu_s": {name: clock.net_s for name, clock in clocks.items()},
-        "queue_calls": {name: clock.calls for name, clock in clocks.items()},
-        "queue_tree_matches": matches[0],
         "order_cpu_s": order_s,
-        "schedule_cpu_s": schedule.net_s,
-        "schedule_calls": schedule.calls,
+        "order_build_cpu_s": recorder.build_s,
+        "order_calls_cpu_s": replay_s,
+        "order_tree_match_cpu_s": recorder.match_s,
+        "order_tree_matches": len(recorder.matches),
+        "order_queue_calls": calls,
+        "schedule_cpu_s": schedule_s[0],
+        "schedule_calls": schedule_s[1],
         "gpu_estimate": {
             "basis": "computed tokens x H200 seconds per computed token of the 5-shot scoring benchmark "
                      f"({SCORE_BENCH.name}: {h200['hf_radix']['seconds']:.3f} s / "
@@ -212,9 +267,9 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
             "run_s": gpu_run,
         },
         "order_fraction_of_gpu_run": order_s / gpu_run,
-        "schedule_fraction_of_gpu_run": schedule.net_s / gpu_run,
+        "schedule_fraction_of_gpu_run": schedule_s[0] / gpu_run,
         "order_fraction_of_run_cpu": order_s / cpu,
-        "schedule_fraction_of_run_cpu": schedule.net_s / cpu,
+        "schedule_fraction_of_run_cpu": schedule_s[0] / cpu,
     }
 
 
