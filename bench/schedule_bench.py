@@ -8,14 +8,15 @@ its tree matches) apart from the tree inserts, and the former static sort for co
 `--scheduled`: the real thing with the forward stubbed. `--prompts` few-shot scoring requests (questions
 behind `--groups` distinct ~1-1.5K-token preambles, each scored against 4 choices) go through
 `RadixBatchRunner.loglikelihood`: the real scheduler, queue, cache manager, tree (with eviction, the pool
-being `--pool-tokens`) and metadata; `engine.run_model` returns canned logits. Reports the queue's cost, the order (its build, timed in the run;
-every head/popleft/extendleft the scheduler made, replayed in one timed span on a queue built the same
-way, with the tree's answers given back as recorded; the tree matches it made, timed in the run), and the
-scheduler's whole `_schedule` (admission, which includes the queue), all in CPU seconds of the thread
-(the machine's load does not inflate them), against the run's own CPU time and against an estimated H200
-run: the tokens this run computes x the seconds per computed token of the H200 scoring benchmark
-(`bench/results/score_bench_h200.json`: hf_radix seconds / computed tokens, Llama-3.1-8B shape). Goal:
-the order below 1% of the run. Not a test: `python bench/schedule_bench.py --scheduled --json PATH`.
+being `--pool-tokens`) and metadata; `engine.run_model` returns canned logits. Reports the order's cost
+(the queue's build, timed in the run; every head/popleft/extendleft the scheduler made, replayed in one
+timed span on a queue built the same way, the tree's answers given back as recorded; the tree matches it
+made, timed in the run) and the scheduler's whole `_schedule` (admission, which includes the queue), in
+CPU seconds of the thread (the machine's load does not inflate them), against the run's own CPU time and
+against an estimated H200 run: the tokens this run computes x the seconds per computed token of the H200
+scoring benchmark (`bench/results/score_bench_h200.json`: hf_radix seconds / computed tokens,
+Llama-3.1-8B shape). Goal: the order below 1% of the run.
+Not a test: `python bench/schedule_bench.py --scheduled --prompts 50000 --groups 300 --json PATH`.
 """
 
 from __future__ import annotations
