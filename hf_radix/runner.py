@@ -105,8 +105,9 @@ class RadixBatchRunner:
             if self.tokenizer is None:
                 raise ValueError(f"string {kind} need a tokenizer: RadixBatchRunner(model, tokenizer)")
             unique = list(dict.fromkeys(items))
-            ids = self.tokenizer(unique, add_special_tokens=kind != "continuations")["input_ids"]
-            arrays = {text: np.asarray(list(t), dtype=np.int64) for text, t in zip(unique, ids)}
+            options = {"add_special_tokens": False} if kind == "continuations" else {}
+            ids = self.tokenizer(unique, **options)["input_ids"]
+            arrays = {text: np.asarray(t, dtype=np.int64) for text, t in zip(unique, ids)}
             return [arrays[p] for p in items]
         converted: dict[int, np.ndarray] = {}  # by id(): `items` keeps every object alive meanwhile
         out = []
