@@ -91,13 +91,16 @@ class PageTable:
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
 
-    def write(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`."""
+    def write(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray, width: int | None = None) -> None:
+        """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`.
+
+        `width`, when given, bounds the positions (at least `positions.max() + 1`; saves computing it).
+        """
         if len(slots) == 0:
             return
-        self._check_width(int(positions.max()) + 1)
+        self._check_width(int(positions.max()) + 1 if width is None else width)
         self.host[rows, positions] = slots
-        self._pending.append(rows.astype(np.int64) * self.width + positions)
+        self._pending.append(rows.astype(np.int64, copy=False) * self.width + positions)
 
     def _check_width(self, positions: int) -> None:
         if positions <= self.width:
