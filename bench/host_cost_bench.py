@@ -127,7 +127,7 @@ def _stub_slot_lists():
     host work."""
     real = forward_batch.gather_contexts
 
-    def gather(slots, rows, lengths, indptr, total):
+    def gather(slots, bases, lengths, total):
         return torch.empty(total, dtype=torch.int64)
 
     forward_batch.gather_contexts = gather

@@ -168,7 +168,8 @@ class CacheManager:
         widest = int(target.max())
         if widest > self.table.max_width:
             raise ValueError(
-                f"a request needs {widest} positions; the page table holds {self.table.max_width} (the KV pool)"
+                f"a request needs {widest} positions; the page table holds {self.table.max_width} "
+                "(the KV pool)"
             )
         total = int(counts.sum()) // ps
         pages = self._take_pages(total)

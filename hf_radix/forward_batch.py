@@ -61,7 +61,8 @@ class StepRows:
 
     `logits_offsets[i]` selects the offsets (within row i's new tokens) whose logits are wanted; None asks
     for the last new token of every row. `from_table` lists positions of `input_ids` whose id is not known
-    on the host yet: the row's `next_token` on the device (the token the previous step sampled) is used.
+    on the host yet (increasing): the row's `next_token` on the device (the token the previous step sampled)
+    is used.
     """
 
     rows: np.ndarray
@@ -129,7 +130,9 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else _EMPTY
 
 
-def gather_contexts(slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+def gather_contexts(
+    slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int
+) -> torch.Tensor:
     """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
     the result lies in row `i`'s run (`lengths[i]` long) and reads `slots.view(-1)[bases[i] + k]`.
 
@@ -180,16 +183,18 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
     row_bases = rows * table.width
     context_bases = row_bases - kv_indptr[:-1] if context_total else _EMPTY
     prefix_bases = row_bases - prefix_indptr[:-1] if prefix_total else _EMPTY
-    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # cast to int32 on the device
+    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # int32 on the device
+    every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
     parts = [
-        step.input_ids, positions, table.host[token_rows, positions], logits, from_table,
-        token_rows[from_table], context_bases, prefix_bases, np.concatenate(narrow_parts),
+        _EMPTY if every_id_from_table else step.input_ids, positions, table.host[token_rows, positions],
+        logits, from_table, token_rows[from_table], context_bases, prefix_bases,
     ]
-    wide = table.upload(parts)  # one copy, with the page-table writes made since the last one
-    input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_bases_d, prefix_bases_d = wide[:8]
-    narrow = wide[8].to(torch.int32).split([len(a) for a in narrow_parts])
-    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow
-    if len(from_table):
+    uploaded = table.upload(parts, narrow_parts)  # one copy, with the page-table writes made since the last
+    input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_d, prefix_d = uploaded[:8]
+    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = uploaded[8:]
+    if every_id_from_table:
+        input_ids = table.next_token.index_select(0, table_rows)
+    elif len(from_table):
         input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
     return ForwardBatch(
         input_ids=input_ids,
@@ -198,9 +203,9 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, context_bases_d, seq32, context_total),
+        kv_indices=gather_contexts(table.slots, context_d, seq32, context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, prefix_bases_d, prefix32, prefix_total),
+        prefix_kv_indices=gather_contexts(table.slots, prefix_d, prefix32, prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,

@@ -125,7 +125,8 @@ class SharedPrefixDecode:
         if not (same_rows and manager.lock_version == self._lock_version):
             handles = [None if r == PADDING_ROW else manager.row_handle(r) for r in rows.tolist()]
             if not (same_rows and all(a is b for a, b in zip(handles, self._handles))):
-                self._rows, self._handles = rows.copy(), handles  # held: a lock's id is never reused meanwhile
+                # held: a lock's id is never reused meanwhile
+                self._rows, self._handles = rows.copy(), handles
                 self._share = self._plan(step, handles)
             self._lock_version = manager.lock_version
         if self._share is not None:
