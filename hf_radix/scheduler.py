@@ -25,7 +25,8 @@ from .logprobs import target_logprobs
 from .model_runner import ModelRunner
 from .radix_tree import RadixPrefixCache
 from .request import Req
-from .sampling import Sampler, SamplingParams
+from .running_rows import Item, RunningRows
+from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
 from .stop_strings import StopStringDetector
 
@@ -34,7 +35,6 @@ logger = logging.get_logger(__name__)
 POLICIES = ("lpm", "fcfs")
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
-Item = tuple[Req, int, int]  # a request and the positions [start, end) a step computes for it
 
 
 @dataclass
@@ -46,47 +46,6 @@ class _Launched:
     scored: list[tuple[Req, int, bool]]  # scoring requests, how many scores are theirs, whether the last
     scores: tuple[torch.Tensor, torch.Tensor] | None  # host copies: log-probs, greedy matches
     done: torch.cuda.Event | None
-
-
-class _RunningRows:
-    """The running requests, in order, as arrays: kept while that list is unchanged, so that a decode step
-    costs O(1) Python work whatever the batch.
-
-    A step moves every position here; the requests' own counters (`num_computed`, `launched`) lag
-    `pending` steps behind until `Scheduler._settle` writes them back (before the list changes or a
-    request leaves it).
-    """
-
-    def __init__(self, reqs: list[Req]):
-        n = len(reqs)
-        self.reqs = reqs  # never modified: a changed list gets new arrays
-        self.rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
-        self.starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
-        self.params: list[SamplingParams] = [r.params for r in reqs]
-        self.uids = tuple(r.index for r in reqs)
-        self.steps_left = min((r.launch_limit - r.launched for r in reqs), default=0)  # to a last token
-        self.pending = 0
-        self.rows_device: torch.Tensor | None = None  # `rows` on the device, uploaded once
-        self._ones = np.ones(n, dtype=np.int64)
-        self._zeros = np.zeros(n, dtype=np.int64)
-        self.order = np.arange(n, dtype=np.int64)  # each request's logits row
-
-    def items(self) -> list[Item]:
-        """Each request's decode token: positions `[start, start + 1)`."""
-        starts = self.starts.tolist()
-        return list(zip(self.reqs, starts, [s + 1 for s in starts]))
-
-    def step(self) -> StepRows:
-        """The decode tokens in page-table terms; their ids are read on the device (the last step sampled
-        them)."""
-        return StepRows(rows=self.rows, prefix_lens=self.starts, new_lens=self._ones, input_ids=self._zeros,
-                        from_table=self.order)
-
-    def advance(self) -> None:
-        """Every request's decode token is launched."""
-        self.starts = self.starts + 1  # a new array: steps already built keep theirs
-        self.pending += 1
-        self.steps_left -= 1
 
 
 @dataclass
@@ -132,7 +91,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.draining: list[Req] = []  # every token launched; waiting for the last results
-        self._running_rows: _RunningRows | None = None  # `running` as arrays (see `_settle`)
+        self._running_rows: RunningRows | None = None  # `running` as arrays (see `_settle`)
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -271,23 +230,21 @@ class Scheduler:
     def _active(self) -> int:
         return len(self.running) + len(self.prefilling)
 
-    def _running(self) -> _RunningRows:
+    def _running(self) -> RunningRows:
         """`running` as arrays, built when the list changed."""
         if self._running_rows is None:
-            self._running_rows = _RunningRows(list(self.running))
+            self._running_rows = RunningRows(list(self.running))
         return self._running_rows
 
     def _settle(self) -> None:
         """Writes the running requests' pending decode steps into their counters and drops the arrays;
         called before `running` changes or a running request's counters are read."""
         cached, self._running_rows = self._running_rows, None
-        if cached is not None and cached.pending:
-            for req in cached.reqs:
-                req.num_computed += cached.pending
-                req.launched += cached.pending
+        if cached is not None:
+            cached.settle()
 
     # -- launching a step ----------------------------------------------------------------------------
-    def _step_rows(self, items: list[Item], running: _RunningRows) -> StepRows:
+    def _step_rows(self, items: list[Item], running: RunningRows) -> StepRows:
         """The step in page-table terms; decode tokens are read on the device (the last step sampled them).
 
         The first items are `running`'s decode tokens (one each), the rest prefill chunks.
@@ -376,7 +333,7 @@ class Scheduler:
             self.step_times.host_s.append(time.perf_counter() - started)
         return _Launched(sampled, tokens_host, [(r, len(t), last) for r, t, last in scored], scores, done)
 
-    def _advance(self, items: list[Item], running: _RunningRows) -> None:
+    def _advance(self, items: list[Item], running: RunningRows) -> None:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain."""
         decoding = len(running.reqs)
         running.advance()
