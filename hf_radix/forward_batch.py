@@ -99,7 +99,7 @@ class StepRows:
 
     @property
     def is_decode(self) -> bool:
-        return bool(len(self.rows)) and bool(np.all(self.new_lens == 1))
+        return len(self.rows) > 0 and bool((self.new_lens == 1).all())
 
     @property
     def last_tokens_only(self) -> bool:
