@@ -30,7 +30,7 @@ from .cuda_graph import (
 )
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .page_table import PADDING_ROW, to_device
-from .shared_decode import SharedPrefixDecode, decode_cost
+from .shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -256,8 +256,9 @@ def graph_memory_bytes(
     rows and `extend_tokens` tokens, slot lists of up to `kv_bound` positions a row), plus the graphs'
     shared memory pool, which holds the largest captured forward's activations: per token the residual
     stream, the normed input, the attention projections and output, the MLP's gate, up and activation;
-    the logits of every row (in the model's dtype and an fp32 upcast). Twice that, for what the caching
-    allocator rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
+    the logits of every row (in the model's dtype and an fp32 upcast), the partial results of a
+    shared-prefix decode (`MAX_PREFIX_SPLITS` per query head). Twice that, for what the caching allocator
+    rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
     """
     text = model.config.get_text_config(decoder=True)
     hidden = text.hidden_size
@@ -268,7 +269,8 @@ def graph_memory_bytes(
     element = torch.empty((), dtype=dtype).element_size()
     tokens, rows = max(max_batch, extend_tokens), max(max_batch, extend_rows)
     per_token = element * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim)
-    activations = tokens * per_token + rows * text.vocab_size * (element + 4)
+    shared_partials = max_batch * heads * MAX_PREFIX_SPLITS * (head_dim + 1) * 4
+    activations = tokens * per_token + rows * text.vocab_size * (element + 4) + shared_partials
     static = static_buffer_bytes(max_batch, max_batch, kv_bound)
     static += static_buffer_bytes(extend_rows, extend_tokens, kv_bound)
     return static + 2 * activations + GRAPH_MEMORY_MARGIN

@@ -204,7 +204,7 @@ def test_first_radix_generate_warms_up_once_and_a_new_pool_releases_the_graphs()
     core = engine.model_runner
     assert set(core.warm_up_times) == {"eager_s", "capture_s"}
     decode, extend = core.decode_graphs, core.extend_graphs
-    assert decode.num_graphs == len(decode.sizes) and extend.num_graphs == len(extend.shapes())
+    assert decode.num_graphs == len(decode.shapes()) and extend.num_graphs == len(extend.shapes())
     captured = (decode.capture_time, extend.capture_time)
     rows = [random_ids(gen, 5 + i) for i in range(9)]
     for row in rows:
@@ -226,5 +226,6 @@ def test_pool_sized_from_free_memory_keeps_room_for_the_graphs():
     assert engine.graph_reserve > 0
     prompt = random_ids(torch.Generator().manual_seed(9), 30)
     assert _hf_greedy_radix(model, prompt, 4) == _hf_greedy(model, prompt, 4)  # warm-up captured all
-    assert engine.model_runner.decode_graphs.num_graphs == len(engine.model_runner.decode_graphs.sizes)
+    decode = engine.model_runner.decode_graphs
+    assert decode.num_graphs == len(decode.shapes())  # per-row and shared-prefix graphs of every size
     engine.check_integrity()
