@@ -378,7 +378,7 @@ def test_sampling_kernels_compile_for_sm90(kernel_name: str, extra: dict):
     pointers.update({name: "*fp32" for name in ("InvTemperature", "TopP", "ChunkMax", "Partials", "Goal",
                                                  "BestValue")})
     pointers.update({name: "*i64" for name in ("TopK", "Key0", "Key1", "Steps", "State", "Out")})
-    sizes = dict(BLOCK=512, BLOCKS_PER_CHUNK=8, CHUNKS=32, DIGIT_BITS=4, **extra)
+    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, DIGIT_BITS=4, **extra)  # the defaults
     constexprs = {k: v for k, v in sizes.items() if k in kernel.arg_names}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),

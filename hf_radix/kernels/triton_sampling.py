@@ -81,11 +81,20 @@ def _order_key(x):
 
 
 @triton.jit
-def _load(row_ptr, offs, n_cols, scale):
-    """`x = logit * scale` at `offs` (-inf past the row), its order key, and which lanes are in the row."""
-    valid = offs < n_cols
-    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * scale
-    return x, _order_key(x), valid
+def _read_block(row_ptr, block_keys, block, end, n_cols, least, BLOCK: tl.constexpr):
+    """A block's logits (-inf past the row) and whether it was read: only before block `end` and when its
+    largest key is at least `least` (otherwise the masked load moves no memory)."""
+    inside = block < end
+    wanted = inside & (tl.load(block_keys + block, mask=inside, other=0).to(tl.uint32, bitcast=True) >= least)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(row_ptr + offs, mask=offs < tl.where(wanted, n_cols, 0), other=float("-inf")), wanted
+
+
+@triton.jit
+def _scaled(logit, block, n_cols, scale, BLOCK: tl.constexpr):
+    """`x = logit * scale` of a block read by `_read_block`, its order key, and which lanes are in the row."""
+    x = logit.to(tl.float32) * scale
+    return x, _order_key(x), block * BLOCK + tl.arange(0, BLOCK) < n_cols
 
 
 @triton.jit
@@ -125,7 +134,7 @@ def _block_max_kernel(Logits, stride_row, n_cols, InvTemperature, BlockKey, Chun
     scale = tl.where(scale != 0.0, scale, 1.0)
     blocks = chunk * BLOCKS_PER_CHUNK + tl.arange(0, BLOCKS_PER_CHUNK)
     maxima = tl.full([BLOCKS_PER_CHUNK], float("-inf"), tl.float32)
-    for j in range(BLOCKS_PER_CHUNK):
+    for j in tl.static_range(BLOCKS_PER_CHUNK):  # unrolled: every block's load in flight at once
         offs = (chunk * BLOCKS_PER_CHUNK + j) * BLOCK + tl.arange(0, BLOCK)
         logit = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
         value = tl.max(logit, axis=0)
@@ -183,14 +192,19 @@ def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockK
         least = tl.maximum(prefix, kept_floor)  # keys below it weigh nothing at any candidate
         row_ptr = Logits + row.to(tl.int64) * stride_row
         partial = tl.zeros([BLOCK, RADIX], tl.float32)  # summed across lanes once, after the chunk
-        for j in range(BLOCKS_PER_CHUNK):
-            block = chunk * BLOCKS_PER_CHUNK + j
-            block_key = tl.load(BlockKey + row * n_blocks + block, mask=block < n_blocks, other=0)
-            if block_key.to(tl.uint32, bitcast=True) >= least:
-                x, key, valid = _load(row_ptr, block * BLOCK + tl.arange(0, BLOCK), n_cols, scale)
+        block_keys = BlockKey + row * n_blocks
+        first = chunk * BLOCKS_PER_CHUNK
+        end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
+        logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, least, BLOCK)
+        for block in range(first, first + BLOCKS_PER_CHUNK):
+            # the next block's read is in flight while this one is summed
+            logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, least, BLOCK)
+            if wanted:
+                x, key, valid = _scaled(logit, block, n_cols, scale, BLOCK)
                 kept = valid & (key >= kept_floor)
                 weight = tl.where(kept, tl.exp(x - m), 0.0) if MASS else kept.to(tl.float32)
                 partial += tl.where(key[:, None] >= candidates[None, :], weight[:, None], 0.0)
+            logit, wanted = logit_next, wanted_next
         d = tl.arange(0, RADIX)
         tl.store(Partials + ((row * 2 + step % 2) * n_chunks + chunk) * RADIX + d, tl.sum(partial, axis=0))
 
@@ -223,20 +237,23 @@ def _gumbel_max_kernel(Logits, stride_row, n_cols, InvTemperature, TopP, Key0, K
     row_ptr = Logits + row.to(tl.int64) * stride_row
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int32)
-    for j in range(BLOCKS_PER_CHUNK):
-        block = chunk * BLOCKS_PER_CHUNK + j
-        block_key = tl.load(BlockKey + row * n_blocks + block, mask=block < n_blocks, other=0)
-        if block_key.to(tl.uint32, bitcast=True) >= floor:
-            offs = block * BLOCK + tl.arange(0, BLOCK)
-            x, key, valid = _load(row_ptr, offs, n_cols, scale)
+    block_keys = BlockKey + row * n_blocks
+    first = chunk * BLOCKS_PER_CHUNK
+    end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
+    logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, floor, BLOCK)
+    for block in range(first, first + BLOCKS_PER_CHUNK):
+        logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, floor, BLOCK)
+        if wanted:
+            x, key, valid = _scaled(logit, block, n_cols, scale, BLOCK)
             score = x
             if sampled:
-                score = x + _gumbel(row_key, offs)
+                score = x + _gumbel(row_key, block * BLOCK + tl.arange(0, BLOCK))
             score = tl.where(valid & (key >= floor), score, float("-inf"))
             value, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
             better = value > best
             best = tl.where(better, value, best)
             best_index = tl.where(better, block * BLOCK + index, best_index)
+        logit, wanted = logit_next, wanted_next
     tl.store(BestValue + row * n_chunks + chunk, best)
     tl.store(BestIndex + row * n_chunks + chunk, best_index)
 
@@ -261,7 +278,7 @@ def sample_rows(
     steps: torch.Tensor,
     *,
     digit_bits: int = 4,
-    block: int = 512,
+    block: int = 256,
     chunk: int = 4096,
     num_warps: int = 4,
 ) -> torch.Tensor:
@@ -271,6 +288,8 @@ def sample_rows(
     `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). Always `3 + 64 / digit_bits`
     launches (`digit_bits` 2, 4 or 8; 4: 19 launches, 16 candidates a digit); each runs a program per
     `chunk` columns of each row (rounded to a multiple of `block`, the columns a program reads at once).
+    The defaults: 81 registers for sm_90 (six programs per SM), 8,192 programs a launch at 256 rows of
+    128,256 columns.
     """
     return sample_rows_and_floors(logits, inv_temperature, top_k, top_p, seed_keys, steps,
                                   digit_bits=digit_bits, block=block, chunk=chunk, num_warps=num_warps)[0]
