@@ -74,6 +74,15 @@ def seeded_model(args: argparse.Namespace, device: str) -> torch.nn.Module:
     return build_llama(args.tiny, device, layers=args.layers)
 
 
+def write_result(result: dict, json_path: Path | None) -> None:
+    """Prints a benchmark's result as JSON, with the command that made it; also writes it to `json_path`."""
+    result["command"] = " ".join(["python", *sys.argv])
+    text = json.dumps(result, indent=2)
+    print(text)
+    if json_path:
+        json_path.write_text(text + "\n")
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

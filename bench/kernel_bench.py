@@ -6,13 +6,17 @@
 (b) extend: the shapes of hf_radix's prefill calls (Llama-3.1-8B heads, bf16, page_size 1): gsp suffixes
     (256 rows x 256 new behind 2,048 cached, 8 shared prefixes), one gsp prefill forward with 160 decoding
     rows riding along, 5-shot scoring (650 rows x ~12 new behind 1,600; 80 x 100 behind 1,500) and one
-    time-to-first-token row; the kernel before the rework (git --old-ref) vs the committed configs vs a
-    sweep of config lists; ms, TFLOP/s, error vs fp32 SDPA; the best config list is printed.
+    time-to-first-token row; also a sliding window behind a longer prefix (Llama heads; Gemma-2 heads with
+    soft-capping) and head size 96 (Phi-3: not a power of two). An earlier kernel (git --old-ref, or
+    --old-file) vs the committed configs vs a sweep of config lists, each timed --rounds times
+    interleaved (median); ms, TFLOP/s, error vs a float64 reference; the best config list is printed, and
+    for the earlier and the committed kernel the compiled variants (registers, spills, shared memory,
+    global loads / async copies / MMAs in the PTX).
 (c) store: first-build and cached-load time of the CUDA store kernel; time vs torch index_copy_ for
     8K tokens x 8 heads x 128 (bf16).
 
 Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|extend|store]
-       [--old-ref REF | --old-file PATH]
+       [--old-ref REF | --old-file PATH] [--rounds N]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.testing
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from test_kernels import ref_attention_row  # noqa: E402 - the float64 attention reference of the tests
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
@@ -114,6 +120,16 @@ def _time_decode(
         triton_decode._DECODE_CFG_OVERRIDE = None
 
 
+def _decode_point(label: str, q: torch.Tensor, pool: torch.Tensor, kv_indices: torch.Tensor,
+                  kv_indptr: torch.Tensor, kv_bytes: int, splits: int,
+                  cfg: dict[str, int] | None) -> dict[str, Any]:
+    """Times one decode launch and prints it: ms, the K+V read bandwidth (GB/s) and its share of PEAK_BW."""
+    ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
+    bw = kv_bytes / (ms * 1e-3)
+    print(f"{label}: {ms * 1e3:8.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
+    return {"ms": ms, "GBps": bw / 1e9, "frac_peak": bw / PEAK_BW}
+
+
 def bench_decode(quick: bool) -> list[dict[str, Any]]:
     batch, ctx, hq, hkv, d = 256, 2048, 32, 8, 128
     gen = torch.Generator().manual_seed(0)
@@ -126,25 +142,11 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
         if not quick:
             variants += [(cfg, default_splits) for cfg in DECODE_SWEEP] + [(None, 2), (None, 4)]
         for cfg, splits in variants:
-            ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
-            bw = kv_bytes / (ms * 1e-3)
             used = cfg or ta._decode_config(d, q.dtype, q.device)
-            results.append(
-                {
-                    "page_size": page_size,
-                    "splits": splits,
-                    "cfg": used,
-                    "default": cfg is None and splits == default_splits,
-                    "ms": ms,
-                    "GBps": bw / 1e9,
-                    "frac_peak": bw / PEAK_BW,
-                }
-            )
-            print(
-                f"decode p{page_size:<2} splits={splits:<2} {used}: {ms * 1e3:8.1f} us  "
-                f"{bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})",
-                flush=True,
-            )
+            point = _decode_point(f"decode p{page_size:<2} splits={splits:<2} {used}", q, pool, kv_indices,
+                                  kv_indptr, kv_bytes, splits, cfg)
+            results.append({"page_size": page_size, "splits": splits, "cfg": used,
+                            "default": cfg is None and splits == default_splits, **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -159,13 +161,10 @@ def bench_decode_small() -> list[dict[str, Any]]:
     auto = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
     results = []
     for rep, splits in [(r, sp) for r in range(2) for sp in sorted({1, 4, auto, 8, 16, 32})]:
-        ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, None)
-        bw = kv_bytes / (ms * 1e-3)
+        label = f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}"
+        point = _decode_point(label, q, pool, kv_indices, kv_indptr, kv_bytes, splits, None)
         results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "rep": rep,
-                        "ms": ms,
-                        "frac_peak": bw / PEAK_BW})
-        print(f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}: "
-              f"{ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s ({bw / PEAK_BW:5.1%})", flush=True)
+                        **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -182,18 +181,14 @@ def bench_decode_d256() -> list[dict[str, Any]]:
     for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
                 "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                 {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
+        used = cfg or ta._decode_config(d, q.dtype, q.device)
         try:
-            ms = _time_decode(q, pool, kv_indices, kv_indptr, splits, cfg)
+            point = _decode_point(f"decode d256 B64x4096 splits={splits} {used}", q, pool, kv_indices,
+                                  kv_indptr, kv_bytes, splits, cfg)
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
             print(f"decode d256 {cfg}: {str(exc)[:120]}", flush=True)
             continue
-        bw = kv_bytes / (ms * 1e-3)
-        used = cfg or ta._decode_config(d, q.dtype, q.device)
-        results.append(
-            {"splits": splits, "cfg": used, "default": cfg is None, "ms": ms, "frac_peak": bw / PEAK_BW}
-        )
-        print(f"decode d256 B64x4096 splits={splits} {used}: {ms * 1e3:7.1f} us  {bw / 1e12:5.2f} TB/s "
-              f"({bw / PEAK_BW:5.1%})", flush=True)
+        results.append({"splits": splits, "cfg": used, "default": cfg is None, **point})
     del pool
     torch.cuda.empty_cache()
     return results
@@ -229,7 +224,8 @@ def _cfg_label(cfgs: list[dict[str, int]] | None) -> str:
 
 
 def _load_old_extend(ref: str, file: str | None = None) -> Any:
-    """``extend_attention`` of an earlier triton_extend.py: ``file``, else git ``ref``'s; None if neither."""
+    """An earlier triton_extend.py as a module of hf_radix.kernels: ``file``, else git ``ref``'s; None if
+    neither can be read."""
     if file is not None:
         src = Path(file).read_text()
     else:
@@ -243,18 +239,20 @@ def _load_old_extend(ref: str, file: str | None = None) -> Any:
     spec = importlib.util.spec_from_loader("hf_radix.kernels._extend_before", loader=None)
     mod = importlib.util.module_from_spec(spec)
     mod.__package__ = "hf_radix.kernels"
-    path = Path(tempfile.gettempdir()) / f"hf_radix_extend_{ref}.py"  # triton.jit needs the source in a file
+    tag = Path(file).stem if file is not None else ref
+    path = Path(tempfile.gettempdir()) / f"hf_radix_extend_{tag}.py"  # triton.jit needs the source in a file
     path.write_text(src)
     exec(compile(src, str(path), "exec"), mod.__dict__)  # noqa: S102 - our own file at a known commit
-    return mod.extend_attention
+    return mod
 
 
 def extend_shape(name: str, rows: list[tuple[int, int, int]], num_prefixes: int, page_size: int = 1,
                  hq: int = 32, hkv: int = 8, d: int = 128, seed: int = 0, device: str = "cuda",
-                 dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                 dtype: torch.dtype = torch.bfloat16, sliding_window: int | None = None,
+                 softcap: float | None = None) -> dict[str, Any]:
     """Inputs of one extend call: ``rows`` = (prefix group, cached, new) per row; rows of one group share
     their cached prefix's slots (as the radix tree makes them), on shuffled pages. Llama-3.1-8B heads,
-    bf16."""
+    bf16 by default."""
     gen = torch.Generator().manual_seed(seed)
     dev = device
     prefix_len = [max(c for g_, c, _ in rows if g_ == g) for g in range(num_prefixes)]
@@ -281,8 +279,15 @@ def extend_shape(name: str, rows: list[tuple[int, int, int]], num_prefixes: int,
         "prefix_kv_indices": torch.cat(kv_lists).to(dev, torch.int32),
         "prefix_kv_indptr": torch.cat([zero, cached.cumsum(0)]).to(dev, torch.int32),
         "max_new_len": int(news.max()), "max_prefix_len": int((cached + news).max()),
-        "flops": 4 * hq * d * float((news * cached + news * (news + 1) / 2).sum()),
+        "kw": {"sliding_window": sliding_window, "softcap": softcap},
+        "flops": 4 * hq * d * _visible_keys(cached, news, sliding_window),
     }
+
+
+def _visible_keys(cached: torch.Tensor, news: torch.Tensor, window: int | None) -> float:
+    """Keys summed over queries: query ``i`` of a row sees ``cached + i + 1`` keys, at most ``window``."""
+    pos = torch.cat([c + torch.arange(n) for c, n in zip(cached.tolist(), news.tolist(), strict=True)]) + 1
+    return float((pos if window is None else pos.clamp(max=window)).sum())
 
 
 def extend_shapes(seed: int = 0) -> list[dict[str, Any]]:
@@ -300,31 +305,35 @@ def extend_shapes(seed: int = 0) -> list[dict[str, Any]]:
         extend_shape("score_80x(1500+100)", [(0, 1500, 100) for _ in range(80)], 1),
         # generate's time to first token: one question after a long cached prefix (split prefix)
         extend_shape("ttft_1x(4096+64)", [(0, 4096, 64)], 1),
+        # sliding windows behind longer prefixes (the prefix loop starts at the window), with soft-capping
+        extend_shape("window1024_32x(4096+256)", [(i // 4, 4096, 256) for i in range(32)], 8,
+                     sliding_window=1024),
+        extend_shape("gemma2_d256_w4096_cap50_16x(6144+512)", [(i, 6144, 512) for i in range(16)], 16, hq=16,
+                     d=256, sliding_window=4096, softcap=50.0),
+        # a head size that is not a power of two (Phi-3-mini: 32 heads of 96)
+        extend_shape("phi3_d96_64x(1024+128)", [(i // 8, 1024, 128) for i in range(64)], 8, hkv=32, d=96),
     ]
 
 
 def _extend_call(fn: Any, s: dict[str, Any], **kw: Any) -> torch.Tensor:
     return fn(s["q"], s["k_new"], s["v_new"], s["k_cache"], s["v_cache"], s["qo_indptr"], s["prefix_lens"],
               s["prefix_kv_indices"], s["prefix_kv_indptr"], s["q"].shape[-1] ** -0.5,
-              max_new_len=s["max_new_len"], max_prefix_len=s["max_prefix_len"], **kw)
+              max_new_len=s["max_new_len"], max_prefix_len=s["max_prefix_len"], **s["kw"], **kw)
 
 
 def _extend_reference(s: dict[str, Any], row_ids: list[int]) -> dict[int, torch.Tensor]:
-    """fp32 SDPA outputs of a few rows (K/V gathered, query heads expanded)."""
+    """float64 outputs of a few rows, with the shape's window and soft-cap (the tests' reference)."""
     out = {}
     scaling = s["q"].shape[-1] ** -0.5
-    group = s["q"].shape[1] // s["k_new"].shape[1]
     for i in row_ids:
         a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
         p0, p1 = int(s["prefix_kv_indptr"][i]), int(s["prefix_kv_indptr"][i + 1])
         slots = s["prefix_kv_indices"][p0:p1].long()
-        k = torch.cat([s["k_cache"][slots], s["k_new"][a:b]]).float().repeat_interleave(group, 1)
-        v = torch.cat([s["v_cache"][slots], s["v_new"][a:b]]).float().repeat_interleave(group, 1)
-        qpos = torch.arange(p1 - p0, p1 - p0 + b - a, device=k.device)[:, None]
-        mask = torch.arange(k.shape[0], device=k.device)[None, :] <= qpos
-        o = F.scaled_dot_product_attention(s["q"][a:b].float().transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), attn_mask=mask, scale=scaling)
-        out[i] = o.transpose(0, 1)
+        k = torch.cat([s["k_cache"][slots], s["k_new"][a:b]]).cpu()
+        v = torch.cat([s["v_cache"][slots], s["v_new"][a:b]]).cpu()
+        q_pos = torch.arange(p1 - p0, p1 - p0 + b - a)
+        out[i] = ref_attention_row(s["q"][a:b].cpu(), k, v, q_pos, scaling, s["kw"]["sliding_window"],
+                                   s["kw"]["softcap"])
     return out
 
 
@@ -332,7 +341,7 @@ def _rel_err(out: torch.Tensor, s: dict[str, Any], ref: dict[int, torch.Tensor])
     num = den = 0.0
     for i, r in ref.items():
         a, b = int(s["qo_indptr"][i]), int(s["qo_indptr"][i + 1])
-        num += float((out[a:b].float() - r).norm() ** 2)
+        num += float((out[a:b].cpu().double() - r).norm() ** 2)
         den += float(r.norm() ** 2)
     return (num / max(den, 1e-30)) ** 0.5
 
@@ -347,10 +356,10 @@ def _time_extend(s: dict[str, Any], fn: Any, cfgs: list[dict[str, int]] | None,
         triton_extend._EXTEND_CFG_OVERRIDE = None
 
 
-def bench_extend(quick: bool, old_ref: str, old_file: str | None = None) -> dict[str, Any]:
+def bench_extend(quick: bool, old_ref: str, old_file: str | None = None, rounds: int = 1) -> dict[str, Any]:
     """Each shape: the earlier kernel (``old_file``, else git ``old_ref``'s), the committed default, and
-    (unless quick) every config list of EXTEND_SWEEP and the unpacked layout; ms, TFLOP/s, error vs fp32
-    SDPA."""
+    (unless quick) every config list of EXTEND_SWEEP and the unpacked layout, each timed ``rounds`` times
+    in turn (median ms); ms, TFLOP/s, error vs the float64 reference; then both kernels' compiled variants."""
     old = _load_old_extend(old_ref, old_file)
     if old is None:
         print(f"extend: git cannot show {old_ref} (pass --old-file); timing the new kernel only", flush=True)
@@ -362,29 +371,95 @@ def bench_extend(quick: bool, old_ref: str, old_file: str | None = None) -> dict
         ref = _extend_reference(s, sorted({0, n // 3, n - 1}))
         variants: list[tuple[str, Any, Any, dict[str, Any]]] = []
         if old is not None:
-            variants.append((f"before ({old_ref})", old, None, {}))
+            variants.append((f"before ({old_ref})", old.extend_attention, None, {}))
         variants += [(_cfg_label(c), ta.extend_attention, c, {}) for c in (EXTEND_SWEEP[:1] if quick else
                                                                             EXTEND_SWEEP)]
         if not quick:
             variants.append(("default, unpacked heads", ta.extend_attention, None, {"pack_gqa": False}))
-        for label, fn, cfgs, kw in variants:
-            try:
-                ms, out = _time_extend(s, fn, cfgs, **kw)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
-                print(f"extend {s['name']:<40} {label:<44} failed: {str(exc)[:160]}", flush=True)
-                results.append({"shape": s["name"], "variant": label, "error": str(exc)[:400]})
+        times: dict[str, list[float]] = {label: [] for label, *_ in variants}
+        outs: dict[str, torch.Tensor] = {}
+        for _ in range(rounds):
+            for label, fn, cfgs, kw in variants:
+                if label not in times:  # failed in an earlier round
+                    continue
+                try:
+                    ms, outs[label] = _time_extend(s, fn, cfgs, **kw)
+                except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
+                    print(f"extend {s['name']:<40} {label:<44} failed: {str(exc)[:160]}", flush=True)
+                    results.append({"shape": s["name"], "variant": label, "error": str(exc)[:400]})
+                    del times[label]
+                    continue
+                times[label].append(ms)
+        for label, _, cfgs, _ in variants:
+            if label not in times:
                 continue
-            rec = {"shape": s["name"], "variant": label, "cfgs": cfgs, "ms": ms,
-                   "tflops": s["flops"] / (ms * 1e-3) / 1e12, "rel_err_vs_fp32_sdpa": _rel_err(out, s, ref),
-                   "tokens": int(s["q"].shape[0]), "rows": n}
+            ms = statistics.median(times[label])
+            rec = {"shape": s["name"], "variant": label, "cfgs": cfgs, "ms": ms, "ms_rounds": times[label],
+                   "tflops": s["flops"] / (ms * 1e-3) / 1e12, "rows": n, "tokens": int(s["q"].shape[0]),
+                   "kw": s["kw"], "rel_err_vs_float64": _rel_err(outs[label], s, ref)}
             results.append(rec)
-            print(f"extend {s['name']:<40} {label:<44} {ms * 1e3:9.1f} us  {rec['tflops']:6.1f} TFLOP/s  "
-                  f"err {rec['rel_err_vs_fp32_sdpa']:.1e}", flush=True)
-        del s
+            spread = f" [{min(times[label]) * 1e3:.1f}, {max(times[label]) * 1e3:.1f}]" if rounds > 1 else ""
+            print(f"extend {s['name']:<40} {label:<44} {ms * 1e3:9.1f} us{spread}  "
+                  f"{rec['tflops']:6.1f} TFLOP/s  err {rec['rel_err_vs_float64']:.1e}", flush=True)
+        del s, outs
         torch.cuda.empty_cache()
+    compiled = {"committed": _compiled_variants(triton_extend._extend_kernel)}
+    if old is not None:
+        compiled["before"] = _compiled_variants(old._extend_kernel)
     return {"old_ref": old_ref, "default_cfgs": triton_extend._extend_configs(128, torch.bfloat16,
                                                                            torch.device("cuda")),
-            "cases": results, "best": _best_extend(results)}
+            "rounds": rounds, "cases": results, "best": _best_extend(results), "compiled": compiled}
+
+
+_VARIANT_KEYS = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "ROW_GRID", "PACK_GQA", "DIRECT", "USE_WINDOW", "SOFTCAP",
+                 "HAS_SINKS")
+
+
+def _compiled_variants(kernel: Any) -> list[dict[str, Any]]:
+    """What each compiled variant of a Triton kernel is (its constexprs, warps, stages, the int arguments
+    it specialized on) and holds: registers, spills, shared memory, and the PTX's global loads, async
+    copies and MMA instructions."""
+    found = []
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for compiled in cache[0].values():
+            try:
+                names = kernel.arg_names
+                consts = {names[k[0]]: v for k, v in compiled.src.constants.items()}
+                ptx = compiled.asm["ptx"]
+                found.append({
+                    "variant": {k: consts[k] for k in _VARIANT_KEYS if k in consts}
+                    | {"num_warps": compiled.metadata.num_warps, "num_stages": compiled.metadata.num_stages},
+                    "specialized": sorted(n for n in consts if n not in _VARIANT_KEYS and n.islower())
+                    + sorted(f"{names[k[0]]}%16" for k in compiled.src.attrs if names[k[0]].islower()),
+                    "n_regs": getattr(compiled, "n_regs", None),  # set once loaded on the device
+                    "n_spills": getattr(compiled, "n_spills", None),
+                    "shared": compiled.metadata.shared, "ld_global": ptx.count("ld.global"),
+                    "cp_async": ptx.count("cp.async"), "mma": ptx.count("mma."),
+                })
+            except (AttributeError, KeyError, IndexError, TypeError) as exc:
+                found.append({"error": repr(exc)[:200]})
+    return found
+
+
+def print_compiled_comparison(compiled: dict[str, list[dict[str, Any]]]) -> None:
+    """Per compiled variant (constexprs, warps, stages): the committed kernel's code next to the earlier
+    one's; the earlier one may hold several of a variant (it specialized on ints the committed one does
+    not)."""
+    stats = ("n_regs", "n_spills", "shared", "ld_global", "cp_async", "mma")
+    by: dict[str, dict[str, set[tuple]]] = {}
+    for which, variants in compiled.items():
+        for v in variants:
+            if "error" in v:
+                print(f"extend compiled ({which}): {v['error']}")
+                continue
+            key = " ".join(f"{k}={x}" for k, x in v["variant"].items())
+            by.setdefault(key, {}).setdefault(which, set()).add(tuple(v[k] for k in stats))
+    print(f"extend compiled variants: committed {len(compiled.get('committed', []))}, "
+          f"before {len(compiled.get('before', []))}; per variant ({', '.join(stats)}):")
+    for key, sides in sorted(by.items()):
+        new, old = sides.get("committed", set()), sides.get("before", set())
+        verdict = "same" if new == old else "DIFFERENT" if new and old else "only one side"
+        print(f"  {key}: committed {sorted(new)} before {sorted(old)} -> {verdict}")
 
 
 def _best_extend(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -421,6 +496,7 @@ def print_extend_summary(ext: dict[str, Any]) -> None:
         for label, total in sorted(ext["best"]["total_ms"].items(), key=lambda kv: kv[1]):
             print(f"  {total * 1e3:9.1f} us  {label}")
         print(f"extend best overall: {ext['best']['overall']}")
+    print_compiled_comparison(ext["compiled"])
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -552,6 +628,8 @@ def main() -> None:
                     help="git commit whose extend kernel is timed as 'before' (default: before the rework)")
     ap.add_argument("--old-file", default=None,
                     help="an earlier triton_extend.py to time as 'before' (where the checkout has no .git)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="extend: time every variant this many times, in turn, and keep the median")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_bench.py needs a CUDA device")
@@ -570,7 +648,7 @@ def main() -> None:
         if not args.quick:
             results["decode_d256"] = bench_decode_d256()
     if args.only in (None, "extend"):
-        results["extend"] = bench_extend(args.quick, args.old_ref, args.old_file)
+        results["extend"] = bench_extend(args.quick, args.old_ref, args.old_file, args.rounds)
 
     print("\n=== summary ===")
     print(f"{'benchmark':<44} {'time (us)':>10}  note")

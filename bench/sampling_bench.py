@@ -16,7 +16,6 @@ Run `python bench/sampling_bench.py --json PATH` on a GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -24,6 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import write_result  # noqa: E402
 
 from hf_radix.kernels.triton_sampling import sample_rows  # noqa: E402
 from hf_radix.sampling import Sampler, SamplingParams, sample_rows_torch  # noqa: E402
@@ -137,12 +138,8 @@ def main() -> None:
         "sizes": [_one_size(rows, args) for rows in sizes],
         "tuning": _tuning(max(sizes), args),
         "device": torch.cuda.get_device_name(),
-        "command": "python bench/sampling_bench.py " + " ".join(sys.argv[1:]),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        args.json.write_text(text + "\n")
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

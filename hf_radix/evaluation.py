@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
+from .request import token_id_array
+
 if TYPE_CHECKING:
     from .runner import RadixBatchRunner
 
@@ -63,7 +65,7 @@ def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> list[list[int]]:
         return [list(ids) for ids in runner.tokenizer(texts, add_special_tokens=False)["input_ids"]]
     if any(isinstance(t, str) for t in texts):
         raise ValueError("mix of string and token-id texts; pass one kind")
-    return [[int(t) for t in (x.tolist() if hasattr(x, "tolist") else x)] for x in texts]
+    return [token_id_array(x).tolist() for x in texts]
 
 
 ROLLING_GROUP_TOKENS = 1 << 16  # with a progress bar, texts are scored in runner calls of about this size

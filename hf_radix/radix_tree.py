@@ -78,6 +78,8 @@ class MatchHandle:
 
 def _as_int_array(x: Any, what: str) -> np.ndarray:
     """Converts a 1-D int sequence (list, ndarray, CPU torch tensor) to a contiguous int64 array."""
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
+        return x  # what the scheduler passes: no conversion, no checks to make
     if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch tensor, without importing torch
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
@@ -311,14 +313,14 @@ class RadixPrefixCache:
         """Follows `ids` down the tree, splitting a partially matched node; touches the path with `tick`."""
         node, pos, n, ps = self._root, 0, len(ids), self.page_size
         while n - pos >= ps:
-            child = node.children.get(self._child_key(ids, pos))
+            child = node.children.get(int(ids[pos]) if ps == 1 else ids[pos:pos + ps].tobytes())  # _child_key
             if child is None:
                 break
             key = child.key
             m = min(len(key), n - pos)
-            neq = key[:m] != ids[pos:pos + m]
-            first = int(neq.argmax())
-            matched = first if neq[first] else m
+            head, part = key[:m], ids[pos:pos + m]
+            # a memcmp first: the usual whole-segment match
+            matched = m if head.tobytes() == part.tobytes() else int((head != part).argmax())
             matched -= matched % ps
             pos += matched
             if matched < len(key):

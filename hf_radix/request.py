@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
@@ -30,7 +30,8 @@ class Req:
     A scoring request (`score_from` set) wants the logits of positions `score_from .. len(token_ids) - 2`
     and generates nothing; its last token is never computed (`prompt_len` excludes it).
     `ids` holds the same tokens as an int64 array (what the tree, the page table and the metadata read);
-    generated tokens go through `append` so both stay equal.
+    generated tokens go through `append` so both stay equal. `ids_array`, when given, is that array already
+    (the same tokens as `token_ids`): the request copies from it, or keeps it when it has no room to grow.
     """
 
     index: int
@@ -48,11 +49,20 @@ class Req:
     finish_reason: str | None = None
     error: str | None = None
     launch_limit: int = 0  # generated tokens to launch at most (set when the request starts decoding)
+    ids_array: InitVar[np.ndarray | None] = None
 
-    def __post_init__(self):
-        self.prompt_len = len(self.token_ids) - (self.score_from is not None)
-        self._ids = np.empty(max(len(self.token_ids), self.final_len), dtype=np.int64)
-        self._ids[: len(self.token_ids)] = self.token_ids
+    def __post_init__(self, ids_array: np.ndarray | None):
+        n = len(self.token_ids)
+        self.prompt_len = n - (self.score_from is not None)
+        size = max(n, self.final_len)
+        if ids_array is not None and len(ids_array) != n:
+            raise ValueError(f"ids_array holds {len(ids_array)} tokens, token_ids {n}")
+        keep = ids_array is not None and ids_array.dtype == np.int64 and ids_array.flags.c_contiguous
+        if keep and size == n:
+            self._ids = ids_array  # nothing will be appended (scoring): no copy
+        else:
+            self._ids = np.empty(size, dtype=np.int64)
+            self._ids[:n] = self.token_ids if ids_array is None else ids_array
         self._match_ids: np.ndarray | None = None
 
     @property
@@ -97,6 +107,21 @@ class Req:
             return np.array(wanted, dtype=np.int64)
         first, last = max(start, self.score_from), min(end, len(self.token_ids) - 1)
         return np.arange(first - start, last - start, dtype=np.int64)
+
+
+def token_id_array(tokens) -> np.ndarray:
+    """One prompt's token ids (a list, an array or a tensor) as a 1-D int64 array, converted in one go.
+
+    Anything that is not a 1-D array of integers goes through `int()` element by element, as a list would.
+    """
+    values = tokens.tolist() if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray) else tokens
+    try:
+        array = np.asarray(values)
+    except (ValueError, TypeError):  # ragged or otherwise not an array of numbers
+        array = None
+    if array is not None and array.ndim == 1 and array.dtype.kind in "iu" and array.dtype != np.uint64:
+        return array.astype(np.int64, copy=False)
+    return np.array([int(t) for t in values], dtype=np.int64)
 
 
 def token_id_list(value) -> list[int]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from .cache_io import load_cache, save_cache
 from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
 from .evaluation import loglikelihood_rolling
 from .model_runner import ModelRunner
-from .request import Req, RequestOutput, token_id_list
+from .request import Req, RequestOutput, token_id_array, token_id_list
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import RadixStats
@@ -91,18 +93,31 @@ class RadixBatchRunner:
 
     # -- inputs --------------------------------------------------------------------------------------
     def _tokenize(self, prompts: Iterable) -> list[list[int]]:
-        prompts = list(prompts)
-        if not prompts:
+        return [ids.tolist() for ids in self._token_arrays(list(prompts))]
+
+    def _token_arrays(self, items: list, kind: str = "prompts") -> list[np.ndarray]:
+        """Each item (all strings, or all token-id sequences) as an int64 array; an item that repeats (the
+        same string, or the same object, such as a context scored against each of its choices) is
+        tokenized or converted once and its array shared. Continuations get no special tokens."""
+        if not items:
             return []
-        if all(isinstance(p, str) for p in prompts):
+        if all(isinstance(p, str) for p in items):
             if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: RadixBatchRunner(model, tokenizer)")
-            return [list(ids) for ids in self.tokenizer(prompts)["input_ids"]]
+                raise ValueError(f"string {kind} need a tokenizer: RadixBatchRunner(model, tokenizer)")
+            unique = list(dict.fromkeys(items))
+            options = {"add_special_tokens": False} if kind == "continuations" else {}
+            ids = self.tokenizer(unique, **options)["input_ids"]
+            arrays = {text: np.asarray(t, dtype=np.int64) for text, t in zip(unique, ids)}
+            return [arrays[p] for p in items]
+        converted: dict[int, np.ndarray] = {}  # by id(): `items` keeps every object alive meanwhile
         out = []
-        for p in prompts:
+        for p in items:
             if isinstance(p, str):
                 raise ValueError("mix of string and token-id prompts; pass one kind")
-            out.append([int(t) for t in (p.tolist() if hasattr(p, "tolist") else p)])
+            array = converted.get(id(p))
+            if array is None:
+                array = converted[id(p)] = token_id_array(p)
+            out.append(array)
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
@@ -148,14 +163,14 @@ class RadixBatchRunner:
         `RequestError` (carrying every output) after the others completed.
         """
         check_error_mode(errors)
-        token_lists = self._tokenize(prompts)
+        arrays = self._token_arrays(list(prompts))
         params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
         if isinstance(params, SamplingParams):
-            params = [params] * len(token_lists)
+            params = [params] * len(arrays)
         params = list(params)
-        if len(params) != len(token_lists):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
-        reqs = [Req(i, list(ids), p) for i, (ids, p) in enumerate(zip(token_lists, params))]
+        if len(params) != len(arrays):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(arrays)} prompts")
+        reqs = [Req(i, ids.tolist(), p, ids_array=ids) for i, (ids, p) in enumerate(zip(arrays, params))]
         self._execute(reqs, progress)
         outputs = [self._output(r) for r in reqs]
         failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
@@ -191,13 +206,18 @@ class RadixBatchRunner:
         """
         check_error_mode(errors)
         pairs = list(pairs)
-        contexts = self._tokenize([c for c, _ in pairs])
-        continuations = self._tokenize_continuations(pairs)
+        contexts = self._token_arrays([c for c, _ in pairs])
+        continuations = self._token_arrays([x for _, x in pairs], "continuations")
+        context_lists: dict[int, list[int]] = {}  # a shared context's array -> its list, converted once
         reqs = []
         score = SamplingParams(max_new_tokens=0)
         for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
-            req = Req(i, ctx + cont, score, score_from=len(ctx) - 1)
-            if not ctx or not cont:
+            ctx_list = context_lists.get(id(ctx))
+            if ctx_list is None:
+                ctx_list = context_lists[id(ctx)] = ctx.tolist()
+            ids = np.concatenate((ctx, cont))
+            req = Req(i, ctx_list + cont.tolist(), score, score_from=len(ctx) - 1, ids_array=ids)
+            if not len(ctx) or not len(cont):
                 Scheduler._fail(req, "context and continuation must both be non-empty")
             reqs.append(req)
         self._execute([r for r in reqs if r.finish_reason is None], progress)
@@ -210,12 +230,8 @@ class RadixBatchRunner:
         return loglikelihood_rolling(self, texts, progress)
 
     def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
-        conts = [c for _, c in pairs]
-        if conts and all(isinstance(c, str) for c in conts):
-            if self.tokenizer is None:
-                raise ValueError("string continuations need a tokenizer")
-            return [list(ids) for ids in self.tokenizer(conts, add_special_tokens=False)["input_ids"]]
-        return self._tokenize(conts)
+        conts = [x for _, x in pairs]
+        return [ids.tolist() for ids in self._token_arrays(conts, "continuations")]
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""

@@ -143,14 +143,13 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------------
     def _admissible(self, req: Req) -> bool:
         """Rejects bad input up front, so it fails alone with a message."""
-        ids = req.token_ids
+        ids = req.ids
         engine = self.engine
-        if not ids:
+        if not len(ids):
             return self._fail(req, "empty prompt")
-        if min(ids) < 0 or max(ids) >= engine.vocab_size:
-            return self._fail(
-                req, f"token ids must lie in [0, {engine.vocab_size}), got {min(ids)}..{max(ids)}"
-            )
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= engine.vocab_size:
+            return self._fail(req, f"token ids must lie in [0, {engine.vocab_size}), got {low}..{high}")
         if req.final_len > engine.max_context:
             return self._fail(
                 req,

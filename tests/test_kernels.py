@@ -3,7 +3,8 @@
 The Triton checks run in one interpreter subprocess (`tests/interpreter.py`); each pytest test asserts on its
 own case.
 
-This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py``.
+This file also holds the float64 reference and case builders, reused by ``tests/test_kernels_gpu.py`` and
+``bench/kernel_bench.py``.
 """
 
 from __future__ import annotations
@@ -216,6 +217,15 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         "extend", dict(rows=[(45, 6), (3, 17)], hq=2, hkv=1, d=16),
         dict(num_splits=3, sliding_window=11, softcap=3.0,
              _cfg={"BLOCK_M": 16, "BLOCK_N": 8, "num_warps": 4, "num_stages": 1}),
+    ),
+    # the window's masked prefix loop with head sizes that are not their block sizes, and in fp16
+    "extend_d24_window_splits": (
+        "extend", dict(rows=[(45, 6), (3, 17), (0, 9)], hq=4, hkv=2, d=24, page_size=2),
+        dict(sliding_window=13, softcap=3.0, num_splits=3),
+    ),
+    "extend_fp16_window_splits": (
+        "extend", dict(rows=[(45, 6), (3, 17)], hq=4, hkv=2, d=16, dtype=torch.float16),
+        dict(sliding_window=10, num_splits=2),
     ),
     # grouped query heads packed into one program (few new tokens), and not
     "extend_gqa_unpacked": ("extend", dict(rows=[(21, 18), (3, 1), (0, 17)], hq=4, hkv=2, d=16, page_size=4),

@@ -47,10 +47,10 @@ EXTEND_CASES = {
 }
 EXTEND_CASES["ttft_d128"] = dict(rows=[(4096, 64), (0, 0)], hq=32, hkv=8, d=128, page_size=1)
 EXTEND_KW = {
-    "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0), dict(sliding_window=256, num_splits=6)],
-    "d96_group7": [dict(), dict(sliding_window=100), dict(pack_gqa=True, sliding_window=100, num_splits=3)],
-    "llama_gqa_d128_p16": [dict(), dict(num_splits=5), dict(pack_gqa=True, max_prefix_len=4096)],
-    "ttft_d128": [dict(), dict(max_prefix_len=8192), dict(num_splits=16, pack_gqa=False)],
+    "gemma2_d256": [dict(), dict(sliding_window=256, softcap=50.0), dict(sliding_window=256, splits=6)],
+    "d96_group7": [dict(), dict(sliding_window=100), dict(pack_gqa=True, sliding_window=100, splits=3)],
+    "llama_gqa_d128_p16": [dict(), dict(splits=5), dict(pack_gqa=True, max_prefix_len=4096)],
+    "ttft_d128": [dict(), dict(max_prefix_len=8192), dict(splits=16, pack_gqa=False)],
 }
 
 DECODE_CASES = {
@@ -65,28 +65,58 @@ DECODE_KW = {
     "gemma2_d256": [
         dict(),
         dict(sliding_window=1024, softcap=50.0),
-        dict(sliding_window=1024, num_kv_splits=5),
+        dict(sliding_window=1024, splits=5),
     ],
-    "llama_gqa_d128_p1": [dict(), dict(num_kv_splits=1), dict(num_kv_splits=7), dict(num_kv_splits=32)],
-    "d96_group7": [dict(), dict(num_kv_splits=4, sliding_window=64)],
+    "llama_gqa_d128_p1": [dict(), dict(splits=1), dict(splits=7), dict(splits=32)],
+    "d96_group7": [dict(), dict(splits=4, sliding_window=64)],
 }
 
 
-def _ids(cases: dict[str, Any], kws: dict[str, list[dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
-    return [(name, kw) for name in cases for kw in kws.get(name, [dict()])]
+# kw: the kernel's keyword arguments, "splits" its split count (extend's num_splits, decode's num_kv_splits)
+BF16_CASES = {"extend": (EXTEND_CASES, EXTEND_KW), "decode": (DECODE_CASES, DECODE_KW)}
 
 
-@pytest.mark.parametrize("name,kw", _ids(EXTEND_CASES, EXTEND_KW))
-def test_extend_bf16(name: str, kw: dict[str, Any]) -> None:
-    case = H.make_extend_case(**EXTEND_CASES[name], dtype=torch.bfloat16, device="cuda", seed=3)
-    scaling = 1.0 / math.sqrt(EXTEND_CASES[name]["d"])
-    max_new = max(n for _, n in case["rows"])
-    out = H.run_extend(case, scaling, max_new_len=max_new, **kw)
-    ref = H.ref_extend(case, scaling, kw.get("sliding_window"), kw.get("softcap"))
+def _kw_id(kw: dict[str, Any]) -> str:
+    return "-".join(f"{k}{v}" for k, v in kw.items()) or "plain"
+
+
+def _attention(op: str, spec: dict[str, Any], dtype: torch.dtype, seed: int,
+               kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Runs the ``op`` ("extend" or "decode") kernel on the case ``spec`` builds: (output, float64
+    reference, case). Extend is told its longest row (``max_new_len``), as the model runner tells it."""
+    kw = dict(kw)
+    splits = kw.pop("splits", None)
+    scaling = 1.0 / math.sqrt(spec["d"])
+    window, softcap = kw.get("sliding_window"), kw.get("softcap")
+    if op == "extend":
+        case = H.make_extend_case(**spec, dtype=dtype, device="cuda", seed=seed)
+        max_new = max(n for _, n in case["rows"])
+        out = H.run_extend(case, scaling, max_new_len=max_new, num_splits=splits, **kw)
+        return out, H.ref_extend(case, scaling, window, softcap), case
+    case = H.make_decode_case(**spec, dtype=dtype, device="cuda", seed=seed)
+    out = H.run_decode(case, scaling, num_kv_splits=splits, **kw)
+    return out, H.ref_decode(case, scaling, window, softcap), case
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, case: dict[str, Any], dtype: torch.dtype,
+                  label: str) -> None:
     err = H.rel_err(out, ref)
-    print(f"extend {name} {kw}: rel err {err:.2e}")
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert err <= REL_TOL_BF16
+    print(f"{label}: rel err {err:.2e}")
+    assert out.shape == (*case["q"].shape[:2], case["v_cache"].shape[-1])
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize(
+    "op,name,kw",
+    [(op, name, kw) for op, (cases, kws) in BF16_CASES.items() for name in cases
+     for kw in kws.get(name, [dict()])],
+    ids=lambda x: x if isinstance(x, str) else _kw_id(x),
+)
+def test_attention_bf16(op: str, name: str, kw: dict[str, Any]) -> None:
+    cases = BF16_CASES[op][0]
+    out, ref, case = _attention(op, cases[name], torch.bfloat16, {"extend": 3, "decode": 4}[op], kw)
+    _assert_close(out, ref, case, torch.bfloat16, f"{op} {name} {kw}")
 
 
 def _compiled_variants(fn: Any) -> int:
@@ -124,66 +154,29 @@ def test_no_recompiles_for_new_lengths() -> None:
     assert after == before, f"compiled variants (extend, decode) grew from {before} to {after}"
 
 
-@pytest.mark.parametrize("name,kw", _ids(DECODE_CASES, DECODE_KW))
-def test_decode_bf16(name: str, kw: dict[str, Any]) -> None:
-    case = H.make_decode_case(**DECODE_CASES[name], dtype=torch.bfloat16, device="cuda", seed=4)
-    scaling = 1.0 / math.sqrt(DECODE_CASES[name]["d"])
-    out = H.run_decode(case, scaling, **kw)
-    ref = H.ref_decode(case, scaling, kw.get("sliding_window"), kw.get("softcap"))
-    err = H.rel_err(out, ref)
-    print(f"decode {name} {kw}: rel err {err:.2e}")
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert err <= REL_TOL_BF16
-
-
 # gpt-oss attention sinks (64 query heads over 8 KV heads, head 64, 128-token windows) and DeepSeek-V3 MLA
 # as transformers expands it (128 heads, K 192 = nope 128 + rope 64, V 128), bf16 and fp32.
-SINK_EXTEND = dict(rows=[(0, 300), (2048, 129), (700, 1), (37, 0)], hq=64, hkv=8, d=64, page_size=16,
-                   sinks=True)
-SINK_DECODE = dict(seq_lens=[1, 130, 4000, 777], hq=64, hkv=8, d=64, page_size=16, sinks=True)
-MLA_EXTEND = dict(rows=[(0, 200), (1500, 64), (300, 1)], hq=128, hkv=128, d=192, dv=128, page_size=1)
-MLA_DECODE = dict(seq_lens=[1, 300, 3000], hq=128, hkv=128, d=192, dv=128, page_size=1)
+SPECIAL = {
+    ("sinks", "extend"): dict(rows=[(0, 300), (2048, 129), (700, 1), (37, 0)], hq=64, hkv=8, d=64,
+                              page_size=16, sinks=True),
+    ("sinks", "decode"): dict(seq_lens=[1, 130, 4000, 777], hq=64, hkv=8, d=64, page_size=16, sinks=True),
+    ("mla", "extend"): dict(rows=[(0, 200), (1500, 64), (300, 1)], hq=128, hkv=128, d=192, dv=128,
+                            page_size=1),
+    ("mla", "decode"): dict(seq_lens=[1, 300, 3000], hq=128, hkv=128, d=192, dv=128, page_size=1),
+}
 SPECIAL_KW = [dict(), dict(sliding_window=128), dict(sliding_window=128, splits=5), dict(splits=7)]
 
 
-def _kw_id(kw: dict[str, Any]) -> str:
-    return "-".join(f"{k}{v}" for k, v in kw.items()) or "plain"
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ["sinks", "mla"])
-@pytest.mark.parametrize("kw", SPECIAL_KW, ids=_kw_id)
-def test_sinks_and_mla_extend(kind: str, dtype: torch.dtype, kw: dict[str, Any]) -> None:
-    spec = SINK_EXTEND if kind == "sinks" else MLA_EXTEND
-    if kind == "mla" and "sliding_window" in kw:
-        pytest.skip("DeepSeek-V3 has no sliding window")
-    case = H.make_extend_case(**spec, dtype=dtype, device="cuda", seed=5)
-    scaling = spec["d"] ** -0.5
-    kw = dict(kw)
-    splits = kw.pop("splits", None)
-    out = H.run_extend(case, scaling, max_new_len=max(n for _, n in spec["rows"]), num_splits=splits, **kw)
-    err = H.rel_err(out, H.ref_extend(case, scaling, kw.get("sliding_window")))
-    print(f"extend {kind} {dtype} {kw} splits={splits}: rel err {err:.2e}")
-    assert out.shape == (*case["q"].shape[:2], spec.get("dv", spec["d"])) and torch.isfinite(out).all()
-    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-4)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("kind", ["sinks", "mla"])
-@pytest.mark.parametrize("kw", SPECIAL_KW, ids=_kw_id)
-def test_sinks_and_mla_decode(kind: str, dtype: torch.dtype, kw: dict[str, Any]) -> None:
-    spec = SINK_DECODE if kind == "sinks" else MLA_DECODE
-    if kind == "mla" and "sliding_window" in kw:
-        pytest.skip("DeepSeek-V3 has no sliding window")
-    case = H.make_decode_case(**spec, dtype=dtype, device="cuda", seed=6)
-    scaling = spec["d"] ** -0.5
-    kw = dict(kw)
-    splits = kw.pop("splits", None)
-    out = H.run_decode(case, scaling, num_kv_splits=splits, **kw)
-    err = H.rel_err(out, H.ref_decode(case, scaling, kw.get("sliding_window")))
-    print(f"decode {kind} {dtype} {kw} splits={splits}: rel err {err:.2e}")
-    assert out.shape == (*case["q"].shape[:2], spec.get("dv", spec["d"])) and torch.isfinite(out).all()
-    assert err <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-4)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize(
+    "kind,op,kw",
+    [(kind, op, kw) for kind, op in SPECIAL for kw in SPECIAL_KW
+     if not (kind == "mla" and "sliding_window" in kw)],  # DeepSeek-V3 has no sliding window
+    ids=lambda x: x if isinstance(x, str) else _kw_id(x),
+)
+def test_sinks_and_mla(kind: str, op: str, kw: dict[str, Any], dtype: torch.dtype) -> None:
+    out, ref, case = _attention(op, SPECIAL[kind, op], dtype, {"extend": 5, "decode": 6}[op], kw)
+    _assert_close(out, ref, case, dtype, f"{op} {kind} {dtype} {kw}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

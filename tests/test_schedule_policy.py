@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_radix.radix_tree import RadixPrefixCache
-from hf_radix.schedule_policy import BLOCK, WINDOW, PrefixAwareQueue
+from hf_radix.schedule_policy import BLOCK, WINDOW, PrefixAwareQueue, trie_keys
 
 
 @dataclass(eq=False)
@@ -105,3 +105,59 @@ def test_queue_behaves_like_a_deque_of_every_request_once(shapes, data):
     queue.extendleft([reqs[0]])
     queue.clear()
     assert not queue and len(queue) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.integers(0, BLOCK + 5)), min_size=1,
+                max_size=40))
+def test_trie_keys_keep_every_shared_block_prefix_together(shapes):
+    """Sorted by key bytes, the prompts sharing any whole-block prefix are contiguous; equal prompts are equal
+    keys (and keep input order); prompts differing anywhere in their first blocks or tail get other keys."""
+    prompts = [
+        np.array(_prefix(a, BLOCK) + _prefix(10 + b, BLOCK)[: (b * 29) % BLOCK + 1] + list(range(n)))
+        for a, b, n in shapes
+    ]
+    keys = trie_keys(prompts)
+    order = np.argsort(keys.view(np.dtype((np.void, keys.shape[1] * 8))).ravel(), kind="stable").tolist()
+    for blocks in (1, 2):
+        size = blocks * BLOCK
+        prefixes = [prompts[i][:size].tobytes() for i in order if len(prompts[i]) >= size]
+        runs = [p for j, p in enumerate(prefixes) if j == 0 or p != prefixes[j - 1]]
+        assert len(runs) == len(set(runs))  # each prefix forms one run
+    for i in range(len(prompts)):
+        for j in range(len(prompts)):
+            same = np.array_equal(prompts[i], prompts[j])
+            assert np.array_equal(keys[i], keys[j]) == same
+            if same and i < j:
+                assert order.index(i) < order.index(j)
+
+
+def test_equal_prompts_are_served_in_queue_order():
+    context = _prefix(3, 3 * BLOCK + 7)
+    other = _Req(_prefix(4, 2 * BLOCK))
+    reqs = [_Req(context) for _ in range(4)] + [other] + [_Req(context) for _ in range(2)]
+    served = _drain(PrefixAwareQueue(reqs, lambda ids: 0, lambda: 0))
+    assert served == [*reqs[:4], *reqs[5:], other]  # the heavier group first, each in input order
+
+
+def test_an_eviction_matches_again_only_the_current_group_and_those_with_a_cached_prefix():
+    warm, cold, current = _prefix(20, 2 * BLOCK), _prefix(21, 2 * BLOCK), _prefix(22, 2 * BLOCK)
+    reqs = [_Req(current + [i]) for i in range(5)] + [_Req(warm + [1]), _Req(cold + [1])]
+    tree = _tree_with(current, warm)
+    matched, evictions = [], [0]
+
+    def cached_len(ids):
+        matched.append(bytes(np.asarray(ids[:BLOCK], dtype=np.int64)))
+        return tree.match_prefix(ids).cached_len
+
+    queue = PrefixAwareQueue(reqs, cached_len, lambda: evictions[0])
+    assert queue.popleft() is reqs[0]  # cached as long as warm, and heavier
+    assert len(matched) == 3
+    matched.clear()
+    evictions[0] += 1
+    assert queue.popleft() is reqs[1]
+    key = {bytes(np.asarray(p[:BLOCK], dtype=np.int64)): name for p, name in
+           ((warm, "warm"), (cold, "cold"), (current, "current"))}
+    assert sorted(key[m] for m in matched) == ["current", "warm"]  # cold had nothing to lose
+    rest = _drain(queue)
+    assert rest == reqs[2:5] + reqs[5:]

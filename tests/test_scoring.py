@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import torch
 from conftest import fresh_model, hf_greedy, hf_logits, random_ids
@@ -216,3 +217,32 @@ def test_datasets_columns(tokenizer, make_runner):
     assert [x for r in got for x in r] == pytest.approx([x for r in want for x in r], abs=ATOL)
     assert runner.loglikelihood_rolling(ds["question"]) == pytest.approx(
         runner.loglikelihood_rolling(rows["question"]), abs=ATOL)
+
+
+def test_repeated_contexts_convert_once_and_score_like_fresh_copies(tokenizer, make_runner):
+    model = fresh_model("llama")
+    runner = make_runner(model, tokenizer)
+    gen = torch.Generator().manual_seed(9)
+    context = random_ids(gen, 70)
+    choices = [random_ids(gen, n) for n in (1, 2, 3)]
+    kinds = [context, np.array(context, dtype=np.int32), torch.tensor(context)]
+    pairs = [(c, x) for c in kinds for x in choices]  # each context object shared by its three choices
+    want = [hf_score(model, context, x) for x in choices] * len(kinds)
+    assert_scores(runner.loglikelihood(pairs), want)
+    assert_scores(runner.loglikelihood([(list(context), list(x)) for _, x in pairs]), want)
+
+    calls = []
+
+    def counting(texts, **options):
+        calls.append(list(texts))
+        return tokenizer(texts, **options)
+
+    runner.tokenizer = counting
+    text_pairs = [("The quick brown fox", " jumps"), ("The quick brown fox", " sleeps"), ("Hi", " jumps")]
+    got = runner.loglikelihood(text_pairs)
+    assert calls == [["The quick brown fox", "Hi"], [" jumps", " sleeps"]]  # each distinct text once
+    ids = [
+        (tokenizer(c)["input_ids"], tokenizer(x, add_special_tokens=False)["input_ids"])
+        for c, x in text_pairs
+    ]
+    assert_scores(got, [hf_score(model, c, x) for c, x in ids])

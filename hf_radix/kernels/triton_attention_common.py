@@ -92,9 +92,9 @@ def _paged_kv_loop(
     EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi) of a range read through the slot array. MASKED applies the bound
-    ``hi``; with CAUSAL also the causal and window masks of queries at positions ``q_pos`` (key ``j`` of the
-    range sits at position ``pos0 + j``). Without CAUSAL every key in range is visible (``pos0``, ``q_pos``
-    and ``window`` are unused)."""
+    ``hi`` and, for queries at positions ``q_pos`` (key ``j`` of the range sits at position ``pos0 + j``),
+    the causal mask with CAUSAL and the window mask with USE_WINDOW; without either, ``pos0``, ``q_pos`` and
+    ``window`` are unused."""
     for start_n in range(lo, hi, BLOCK_N):
         j = start_n + offs_n
         n_mask = j < hi
@@ -103,11 +103,11 @@ def _paged_kv_loop(
         s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
         if MASKED:
             keep = n_mask[None, :]
+            k_pos = pos0 + j
             if CAUSAL:
-                k_pos = pos0 + j
                 keep = keep & (k_pos[None, :] <= q_pos[:, None])
-                if USE_WINDOW:
-                    keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
+            if USE_WINDOW:
+                keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
             s = tl.where(keep, s, float("-inf"))
         acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
     return acc, l_i, m_i

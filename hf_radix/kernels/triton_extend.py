@@ -28,8 +28,9 @@ from .triton_attention_common import (
     _last_dim_contig,
     _launch,
     _load_kv,
-    _load_paged_kv,
     _merge_splits,
+    _paged_kv_loop,
+    _partial_rows,
     _scales,
     _scores,
     _sinks_log2,
@@ -50,30 +51,6 @@ _EXTEND_SAFE_CFG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 
 # --------------------------------------------------------------------------------------------------------
 # Extend (prefill with cached prefix)
 # --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _extend_prefix_loop(
-    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, prefix_len, q_pos,
-    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-    offs_n, offs_d, offs_dv, d_mask, dv_mask,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Attend over cached prefix positions [lo, hi) (gathered through the slot array)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        pos = start_n + offs_n
-        n_mask = pos < prefix_len
-        k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, pos, n_mask, kvh, stride_kct, stride_kch,
-                              stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
-        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
-        if MASKED:
-            keep = n_mask[None, :]
-            if USE_WINDOW:
-                keep = keep & ((q_pos[:, None] - pos[None, :]) < window)
-            s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
-    return acc, l_i, m_i
 
 
 @triton.jit
@@ -148,7 +125,9 @@ def _tile_row(qo_indptr, num_rows, tile, GP: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 # Values that change with the batch (row count, split count and the partial-result strides that follow from
-# it) are not specialized on, so new lengths and batch sizes never compile a new variant.
+# it), the row-class bounds (a tile size, or 2**31 - 1 for the last class) and the window are not
+# specialized on (as multiples of 16 or as 1), so new lengths, batch sizes and windows never compile a new
+# variant.
 @triton.jit(do_not_specialize=["window", "num_splits", "num_rows", "len_lo", "len_hi", "stride_lt",
                                "stride_lh"])
 def _extend_kernel(
@@ -228,21 +207,22 @@ def _extend_kernel(
     split_len = tl.cdiv(tl.cdiv(prefix_len - lo, num_splits), BLOCK_N) * BLOCK_N
     lo = lo + split * split_len
     hi = tl.minimum(lo + split_len, prefix_len)
+    # prefix keys precede every query: the masked loops apply the bound and the window, no causal mask
     if USE_WINDOW:
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, prefix_len, q_pos,
+        acc, l_i, m_i = _paged_kv_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, 0, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     else:
         full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, prefix_len, q_pos,
+        acc, l_i, m_i = _paged_kv_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, 0, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _extend_prefix_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, prefix_len, q_pos,
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, l_i, m_i = _paged_kv_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, 0, q_pos,
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     if split == num_splits - 1:
         acc, l_i, m_i = _extend_new_tokens(
@@ -256,9 +236,7 @@ def _extend_kernel(
         o_ptrs = Out + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
     else:
-        has = l_i > 0.0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        out, lse = _partial_rows(acc, l_i, m_i)
         m_ptrs = (Mid_o + q_tok[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms
                   + offs_dv[None, :])
         tl.store(m_ptrs, out, mask=st_mask)
