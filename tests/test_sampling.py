@@ -257,9 +257,12 @@ def test_filtered_frequencies_follow_the_renormalized_distribution():
 # -- the Triton kernel on the CPU (interpreter subprocess) and for sm_90 (compiler only) --------------------
 
 
-def _tie_rows(case: dict[str, torch.Tensor]) -> None:
+def _pin_rows(case: dict[str, torch.Tensor]) -> None:
     """Rows 0-2 of `case` become tie cases across chunks: a greedy row whose maximum sits in its last two
-    chunks only, a top-k 1 row sampling among those ties, a constant row under top-p (all kept)."""
+    chunks only, a top-k 1 row sampling among those ties, a constant row under top-p (all kept); rows 5
+    and 9 sample with temperature alone and with top-k 5 alone."""
+    case["top_k"][[5, 9]] = torch.tensor([TOP_K_OFF, 5])
+    case["top_p"][[5, 9]] = 1.0
     vocab = case["logits"].shape[1]
     case["logits"][:3] = (case["logits"][:3] * 2).round() / 2
     case["logits"][:2, [vocab // 2, vocab - 3]] = 20.0
@@ -273,7 +276,7 @@ def _interp_kernel_matches_torch() -> dict[str, Any]:
     from hf_radix.kernels.triton_sampling import sample_rows
 
     case = rule_case(rows=12, vocab=600, seed=2, greedy_every=4)
-    _tie_rows(case)
+    _pin_rows(case)
     mismatched, steps_ok, repeated = [], True, True
     # blocks of 64 columns, chunks of 4 blocks: 3 programs per row, the last chunk and block partial
     for dtype, digit_bits in ((torch.float32, 4), (torch.float16, 8)):  # fp16: the kernel reads any float
