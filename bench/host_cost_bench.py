@@ -8,7 +8,8 @@ returns canned logits. What is left is the host work of each step (what `bench/g
 synchronously on the CPU here. The timed runs leave the slot lists of whole contexts uninitialized (a few
 microseconds of kernels on a GPU, tens of milliseconds on the CPU, unread by the canned forward); another
 run counts the aten ops of a step (each a kernel launch on a GPU; the GPU estimate adds `LAUNCH_US` per
-op to the host time); a profiled run (cProfile) gives the top host functions and the Python
+op to the host time; the `_net` keys leave out the greedy argmax over the canned logits, CPU work here and
+one kernel there); a profiled run (cProfile) gives the top host functions and the Python
 calls per step (a count that, unlike the times, does not depend on the machine's load). A 5-shot scoring
 workload (512 questions x 4 choices behind one 1,500-token prefix) is measured the same way, per run.
 Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
@@ -88,6 +89,26 @@ class _OpTimer(TorchDispatchMode):
         return out
 
 
+@contextlib.contextmanager
+def _argmax_seconds(spent: list[float]):
+    """Appends the seconds each `Tensor.argmax` inside it takes: the greedy pick over the canned logits,
+    CPU work here, one asynchronous kernel on a GPU (counted as an aten op)."""
+    real = torch.Tensor.argmax
+
+    def argmax(self, *args, **kwargs):
+        started = time.perf_counter()
+        out = real(self, *args, **kwargs)
+        spent[-1] += time.perf_counter() - started
+        return out
+
+    spent.append(0.0)
+    torch.Tensor.argmax = argmax
+    try:
+        yield
+    finally:
+        torch.Tensor.argmax = real
+
+
 def _top(profile: cProfile.Profile, count: int = 20) -> str:
     buffer = io.StringIO()
     pstats.Stats(profile, stream=buffer).sort_stats("tottime").print_stats(count)
@@ -127,7 +148,7 @@ def _stub_slot_lists():
     host work."""
     real = forward_batch.gather_contexts
 
-    def gather(slots, rows, lengths, indptr, total):
+    def gather(slots, bases, lengths, total):
         return torch.empty(total, dtype=torch.int64)
 
     forward_batch.gather_contexts = gather
@@ -150,12 +171,14 @@ def measure_decode(args) -> dict:
 
     counter = _OpTimer()
     _timed_steps(runner, prompts, params, is_decode, lambda: counter)
+    argmax: list[float] = []
     with _stub_slot_lists():
-        wall_steps, wall = _timed_steps(runner, prompts, params, is_decode, contextlib.nullcontext)
+        wall_steps, wall = _timed_steps(runner, prompts, params, is_decode, lambda: _argmax_seconds(argmax))
         profile = cProfile.Profile()
         _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
     steps = len(wall_steps)
     host_ms = 1e3 * statistics.median(wall_steps)
+    net_ms = 1e3 * statistics.median(t - a for t, a in zip(wall_steps, argmax))
     ops = counter.ops / steps
     return {
         "rows": len(prompts),
@@ -164,6 +187,9 @@ def measure_decode(args) -> dict:
         "decode_step_host_ms_cpu": host_ms,
         "decode_step_aten_ops": ops,
         "decode_step_host_ms_gpu_estimate": host_ms + ops * LAUNCH_US / 1e3,
+        # the same without the greedy argmax over the canned logits (CPU work here, a kernel on a GPU)
+        "decode_step_host_ms_cpu_net": net_ms,
+        "decode_step_host_ms_gpu_estimate_net": net_ms + ops * LAUNCH_US / 1e3,
         "decode_step_python_calls": pstats.Stats(profile).total_calls / steps,
         "run_wall_s": wall,
         "profile_top": _top(profile),

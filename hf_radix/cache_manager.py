@@ -61,6 +61,7 @@ class CacheManager:
         self._allocated = np.full(self.table.capacity, -1, dtype=np.int64)
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
+        self.lock_version = 0  # bumped whenever a row's lock changes (opened, moved, closed)
         self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
 
     # -- sizes ---------------------------------------------------------------------------------------
@@ -114,6 +115,7 @@ class CacheManager:
                 [self._allocated, np.full(self.table.capacity - len(self._allocated), -1, dtype=np.int64)]
             )
         self._rows[row] = _Row(handle)
+        self.lock_version += 1
         self._allocated[row] = handle.cached_len
         self.table.write_row(row, 0, handle.matched_indices())
         return row
@@ -151,30 +153,34 @@ class CacheManager:
         if len(rows) == 0:
             return
         rows = np.asarray(rows, dtype=np.int64)
-        current = self._allocated[rows]
+        current = self._allocated[rows]  # page-aligned
         if current.min() < 0:
             raise KeyError(f"page-table row {int(rows[np.argmin(current)])} is not open")
         ps = self.page_size
-        needs = np.maximum(0, -(-np.asarray(lengths, dtype=np.int64) // ps) - current // ps)
-        total = int(needs.sum())
-        if total == 0:
-            return
-        grow = needs > 0
-        rows, current, counts = rows[grow], current[grow], needs[grow] * ps
-        if int((current + counts).max()) > self.table.max_width:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        target = lengths if ps == 1 else -(-lengths // ps) * ps
+        counts = target - current
+        grow = counts > 0
+        if not grow.all():
+            rows, current, counts, target = rows[grow], current[grow], counts[grow], target[grow]
+            if len(rows) == 0:
+                return
+        widest = int(target.max())
+        if widest > self.table.max_width:
             raise ValueError(
-                f"a request needs {int((current + counts).max())} positions; the page table holds "
-                f"{self.table.max_width} (the KV pool)"
+                f"a request needs {widest} positions; the page table holds {self.table.max_width} "
+                "(the KV pool)"
             )
+        total = int(counts.sum()) // ps
         pages = self._take_pages(total)
         if ps == 1 and len(rows) == total:  # one new slot per row (a decode step)
-            self.table.write(rows, current, pages)
+            self.table.write(rows, current, pages, widest)
         else:
             slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
             starts = np.repeat(np.cumsum(counts) - counts, counts)
             positions = np.arange(len(slots), dtype=np.int64) - starts + np.repeat(current, counts)
-            self.table.write(np.repeat(rows, counts), positions, slots)
-        self._allocated[rows] = current + counts
+            self.table.write(np.repeat(rows, counts), positions, slots, widest)
+        self._allocated[rows] = target
 
     def cache_req(
         self, row: int, token_ids: Sequence[int] | np.ndarray, num_computed: int, *, finished: bool
@@ -198,6 +204,7 @@ class CacheManager:
         keys = np.asarray(token_ids[:aligned])
         present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
         self.tree.unlock(old)
+        self.lock_version += 1
         self._release(slots[old.cached_len : present])
         if finished:
             self._release(slots[aligned:])

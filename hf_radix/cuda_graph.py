@@ -265,12 +265,16 @@ class DecodeGraphs(_CapturedForwards):
         return per_row + [(s, s, MAX_PREFIX_SPLITS) for s in self.sizes if s >= 2]
 
     def _pad(self, size: int, step: StepRows) -> StepRows:
-        pad = _padding_rows(size - step.batch_size, 0, 1)
+        extra = size - step.batch_size
+
+        def padded(values: np.ndarray, fill: int) -> np.ndarray:
+            return np.concatenate([values, np.full(extra, fill, dtype=np.int64)]) if extra else values
+
         return StepRows(
-            rows=np.r_[step.rows, pad["rows"]],
-            prefix_lens=np.r_[step.prefix_lens, pad["prefix_lens"]],
-            new_lens=np.r_[step.new_lens, pad["new_lens"]],
-            input_ids=np.r_[step.input_ids, np.zeros(len(pad["rows"]), dtype=np.int64)],
+            rows=padded(step.rows, PADDING_ROW),
+            prefix_lens=padded(step.prefix_lens, 0),
+            new_lens=padded(step.new_lens, 1),
+            input_ids=padded(step.input_ids, 0),
             from_table=step.from_table,
         )
 

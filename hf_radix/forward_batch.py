@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from .page_table import PageTable
-from .staging import aligned_offsets, aligned_views
 
 if TYPE_CHECKING:
     from .shared_decode import DecodeShare
@@ -62,7 +61,8 @@ class StepRows:
 
     `logits_offsets[i]` selects the offsets (within row i's new tokens) whose logits are wanted; None asks
     for the last new token of every row. `from_table` lists positions of `input_ids` whose id is not known
-    on the host yet: the row's `next_token` on the device (the token the previous step sampled) is used.
+    on the host yet (increasing): the row's `next_token` on the device (the token the previous step sampled)
+    is used.
     """
 
     rows: np.ndarray
@@ -99,7 +99,7 @@ class StepRows:
 
     @property
     def is_decode(self) -> bool:
-        return bool(len(self.rows)) and bool(np.all(self.new_lens == 1))
+        return len(self.rows) > 0 and bool((self.new_lens == 1).all())
 
     @property
     def last_tokens_only(self) -> bool:
@@ -117,6 +117,9 @@ class StepRows:
         return None if wanted.all() else np.flatnonzero(wanted)
 
 
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
 def _indptr(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out[1:])
@@ -124,19 +127,23 @@ def _indptr(lengths: np.ndarray) -> np.ndarray:
 
 
 def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return np.concatenate(parts) if parts else _EMPTY
 
 
 def gather_contexts(
-    slots: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor, indptr: torch.Tensor, total: int
+    slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int
 ) -> torch.Tensor:
-    """`slots[rows[i], :lengths[i]]` of every row, concatenated (int64), on the device, without a sync."""
+    """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
+    the result lies in row `i`'s run (`lengths[i]` long) and reads `slots.view(-1)[bases[i] + k]`.
+
+    With `bases[i] = rows[i] * width - indptr[i]` (`indptr` the runs' offsets) that is
+    `slots[rows[i], :lengths[i]]` of every row.
+    """
     if total == 0:
-        return torch.zeros(0, dtype=torch.int64, device=slots.device)
-    row_of = torch.repeat_interleave(rows, lengths, output_size=total)
-    start_of = torch.repeat_interleave(indptr[:-1], lengths, output_size=total)
-    positions = torch.arange(total, device=slots.device) - start_of
-    return slots[row_of, positions].long()
+        return bases[:0]
+    flat = torch.repeat_interleave(bases, lengths, output_size=total)
+    flat += torch.arange(total, device=slots.device)
+    return slots.view(-1).index_select(0, flat).long()
 
 
 SLOT_LISTS = ("both", "context", "prefix")
@@ -149,52 +156,56 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
     decode), its cached prefix (`prefix_kv_indices`, extend) or both; one left out is empty.
 
     The host sends O(tokens + rows) numbers in one staged copy (which also carries the page-table writes
-    made since the last one); the slot lists of whole contexts and cached prefixes are gathered from the
-    device table.
+    made since the last one): the slot of each new token is read from the host table, the slot lists of
+    whole contexts and cached prefixes are gathered from the device table.
     """
     if slot_lists not in SLOT_LISTS:
         raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
-    prefix, new = step.prefix_lens, step.new_lens
+    rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    qo_indptr, kv_indptr, prefix_indptr = _indptr(new), _indptr(seq), _indptr(prefix)
-    tokens = int(qo_indptr[-1])
-    positions = np.arange(tokens, dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new)
-    token_rows = np.repeat(step.rows, new)
+    if (new == 1).all():  # a decode step: one token per row, at its prefix length
+        qo_indptr = np.arange(len(rows) + 1, dtype=np.int64)
+        positions, token_rows = prefix, rows
+    else:
+        qo_indptr = _indptr(new)
+        positions = np.arange(int(qo_indptr[-1]), dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new)
+        token_rows = np.repeat(rows, new)
+    kv_indptr, prefix_indptr = _indptr(seq), _indptr(prefix)
     if step.logits_offsets is None:
         logits = qo_indptr[1:] - 1
     else:
         logits = _concat(
             [np.asarray(o, dtype=np.int64) + start for o, start in zip(step.logits_offsets, qo_indptr)]
         )
-    from_table = _concat([]) if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
-    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # sent once more, cast to int32
-    narrow_sizes = [len(a) for a in narrow_parts]
-    narrow_offsets, narrow_total = aligned_offsets(narrow_sizes, 4)
-    narrow_host = np.zeros(narrow_total, dtype=np.int64)
-    for offset, part in zip(narrow_offsets, narrow_parts):
-        narrow_host[offset:offset + len(part)] = part
-    parts = [
-        step.input_ids, positions, token_rows, logits, from_table, token_rows[from_table], step.rows, seq,
-        prefix, kv_indptr, prefix_indptr, narrow_host,
-    ]
-    wide = table.upload(parts)  # one copy, with the page-table writes made since the last one
-    input_ids, positions_d, token_rows_d, logits_d, table_pos, table_rows, rows_d, seq_d, prefix_d = wide[:9]
-    narrow = aligned_views(wide[11].to(torch.int32), narrow_offsets, narrow_sizes)
-    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = narrow
-    if len(from_table):
-        input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
+    from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
     context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
     prefix_total = int(prefix_indptr[-1]) if slot_lists != "context" else 0
+    row_bases = rows * table.width
+    context_bases = row_bases - kv_indptr[:-1] if context_total else _EMPTY
+    prefix_bases = row_bases - prefix_indptr[:-1] if prefix_total else _EMPTY
+    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # int32 on the device
+    every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
+    parts = [
+        _EMPTY if every_id_from_table else step.input_ids, positions, table.host[token_rows, positions],
+        logits, from_table, token_rows[from_table], context_bases, prefix_bases,
+    ]
+    uploaded = table.upload(parts, narrow_parts)  # one copy, with the page-table writes made since the last
+    input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_d, prefix_d = uploaded[:8]
+    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = uploaded[8:]
+    if every_id_from_table:
+        input_ids = table.next_token.index_select(0, table_rows)
+    elif len(from_table):
+        input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
-        out_loc=table.slots[token_rows_d, positions_d].long(),
+        out_loc=out_loc,
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, rows_d, seq_d, wide[9], context_total),
+        kv_indices=gather_contexts(table.slots, context_d, seq32, context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, rows_d, prefix_d, wide[10], prefix_total),
+        prefix_kv_indices=gather_contexts(table.slots, prefix_d, prefix32, prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,

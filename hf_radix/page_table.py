@@ -91,13 +91,18 @@ class PageTable:
         self._free_rows.append(row)
         self._free_rows.sort(reverse=True)
 
-    def write(self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
-        """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`."""
+    def write(
+        self, rows: np.ndarray, positions: np.ndarray, slots: np.ndarray, width: int | None = None
+    ) -> None:
+        """Sets `table[rows[i], positions[i]] = slots[i]` on the host; the device follows at `upload`.
+
+        `width`, when given, bounds the positions (at least `positions.max() + 1`; saves computing it).
+        """
         if len(slots) == 0:
             return
-        self._check_width(int(positions.max()) + 1)
+        self._check_width(int(positions.max()) + 1 if width is None else width)
         self.host[rows, positions] = slots
-        self._pending.append(rows.astype(np.int64) * self.width + positions)
+        self._pending.append(rows.astype(np.int64, copy=False) * self.width + positions)
 
     def _check_width(self, positions: int) -> None:
         if positions <= self.width:
@@ -121,19 +126,20 @@ class PageTable:
         self._pending = [(p // old) * width + p % old for p in self._pending]
         self.host, self.slots, self.width = host, slots, width
 
-    def upload(self, parts: list[np.ndarray]) -> list[torch.Tensor]:
-        """`parts` on the device (one staged copy), after the device table received the pending writes.
+    def upload(self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = ()) -> list[torch.Tensor]:
+        """`parts` (int64) and `narrow` (int32) on the device (one staged copy, `HostStaging.upload`), after
+        the device table received the pending writes.
 
         The values sent are read from the host table now, so a position written twice since the last
         upload carries its last value in every duplicate (the scatter's order cannot matter).
         """
         if not self._pending:
-            return self.staging.upload(parts)
+            return self.staging.upload(parts, narrow)
         flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
         values = self.host.reshape(-1)[flat]
-        position, value, *out = self.staging.upload([flat, values, *parts])
-        self.slots.view(-1).index_copy_(0, position, value.to(torch.int32))
+        position, *out = self.staging.upload([flat, *parts], [values, *narrow])
+        self.slots.view(-1).index_copy_(0, position, out.pop(len(parts)))
         return out
 
     def flush(self) -> None:

@@ -223,8 +223,9 @@ class Sampler:
         if len(params) != logits.shape[0] or len(uids) != logits.shape[0]:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(params)} params and {len(uids)} uids")
         staged = self._staged
-        if staged is None or staged.uids != tuple(uids):
-            staged = self._stage(params, tuple(uids))
+        uids = uids if isinstance(uids, tuple) else tuple(uids)
+        if staged is None or (staged.uids is not uids and staged.uids != uids):
+            staged = self._stage(params, uids)
         if not staged.sampled_uids:
             return logits.argmax(dim=-1)
         args = (staged.inv_temperature, staged.top_k, staged.top_p, staged.seed_keys, staged.steps)

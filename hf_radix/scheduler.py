@@ -25,6 +25,7 @@ from .logprobs import target_logprobs
 from .model_runner import ModelRunner
 from .radix_tree import RadixPrefixCache
 from .request import Req
+from .running_rows import Item, RunningRows
 from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
 from .stop_strings import StopStringDetector
@@ -34,7 +35,6 @@ logger = logging.get_logger(__name__)
 POLICIES = ("lpm", "fcfs")
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
-Item = tuple[Req, int, int]  # a request and the positions [start, end) a step computes for it
 
 
 @dataclass
@@ -91,6 +91,7 @@ class Scheduler:
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
         self.draining: list[Req] = []  # every token launched; waiting for the last results
+        self._running_rows: RunningRows | None = None  # `running` as arrays (see `_settle`)
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -126,6 +127,7 @@ class Scheduler:
                     self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
                     bar.update(1)
         except BaseException:
+            self._settle()
             for req in [*self.prefilling, *self.running, *self.draining]:
                 self._release(req, "abort", None)
             self.pending.clear()
@@ -175,7 +177,7 @@ class Scheduler:
     def _schedule(self) -> list[Item]:
         """One step: every running request's next token, then prefill chunks under the token budget
         (which counts both), keeping room for what admitted requests will still decode."""
-        items: list[Item] = [(r, r.num_computed, r.num_computed + 1) for r in self.running]
+        items = self._running().items()
         budget = self.chunked_prefill_size - len(items)
         if not self.pending and not self.prefilling or budget <= 0:
             return items
@@ -227,33 +229,49 @@ class Scheduler:
     def _active(self) -> int:
         return len(self.running) + len(self.prefilling)
 
+    def _running(self) -> RunningRows:
+        """`running` as arrays, built when the list changed."""
+        if self._running_rows is None:
+            self._running_rows = RunningRows(list(self.running))
+        return self._running_rows
+
+    def _settle(self) -> None:
+        """Writes the running requests' pending decode steps into their counters and drops the arrays;
+        called before `running` changes or a running request's counters are read."""
+        cached, self._running_rows = self._running_rows, None
+        if cached is not None:
+            cached.settle()
+
     # -- launching a step ----------------------------------------------------------------------------
-    def _step_rows(self, items: list[Item], decoding: int) -> StepRows:
+    def _step_rows(self, items: list[Item], running: RunningRows) -> StepRows:
         """The step in page-table terms; decode tokens are read on the device (the last step sampled them).
 
-        The first `decoding` items are running requests' decode tokens (one each).
+        The first items are `running`'s decode tokens (one each), the rest prefill chunks.
         """
-        n = len(items)
-        table = np.array([(req.row, s, e) for req, s, e in items], dtype=np.int64).reshape(n, 3)
+        decode = running.step()
+        prefill = items[len(running.reqs) :]
+        if not prefill:
+            return decode
+        table = np.array([(req.row, s, e) for req, s, e in prefill], dtype=np.int64).reshape(-1, 3)
         starts, ends = table[:, 1], table[:, 2]
-        prefill = items[decoding:]
-        input_ids = np.concatenate([np.zeros(decoding, dtype=np.int64), *(r.ids[s:e] for r, s, e in prefill)])
+        input_ids = np.concatenate([decode.input_ids, *(r.ids[s:e] for r, s, e in prefill)])
         offsets = None
         if any(req.score_from is not None or e < req.prompt_len for req, _, e in prefill):
             offsets = [req.logits_offsets(s, e) for req, s, e in items]
         return StepRows(
-            rows=table[:, 0].copy(),
-            prefix_lens=starts.copy(),
-            new_lens=ends - starts,
+            rows=np.concatenate([decode.rows, table[:, 0]]),
+            prefix_lens=np.concatenate([decode.prefix_lens, starts]),
+            new_lens=np.concatenate([decode.new_lens, ends - starts]),
             input_ids=input_ids,
             logits_offsets=offsets,
-            from_table=np.arange(decoding, dtype=np.int64),
+            from_table=decode.from_table,
         )
 
     def _launch(self, items: list[Item], started: float) -> _Launched:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
-        decoding = len(self.running)  # the first items (see `_schedule`)
-        step = self._step_rows(items, decoding)
+        running = self._running()  # the first items (see `_schedule`)
+        decoding = len(running.reqs)
+        step = self._step_rows(items, running)
         self.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
         decode = decoding == len(items)
         timer = None
@@ -262,10 +280,10 @@ class Scheduler:
             timer[0].record()
         logits = self.model_runner.forward(step)
         # decode items: one sampled token each, at logits rows 0..decoding-1
-        sampled: list[Req] = list(self.running)
-        sample_rows: list[int] = list(range(decoding))
         scored: list[tuple[Req, np.ndarray, bool]] = []
         score_rows: list[np.ndarray] = []
+        joining: list[Req] = []  # requests whose prefill ends this step: their first token
+        join_rows: list[int] = []  # their logits rows
         offset = decoding
         for req, start, end in items[decoding:]:
             wanted = req.logits_offsets(start, end) if step.logits_offsets is not None else None
@@ -274,23 +292,30 @@ class Scheduler:
                 scored.append((req, req.ids[start + 1 : end + 1][wanted], end == req.prompt_len))
                 score_rows.append(np.arange(offset, offset + count))
             elif count:
-                sampled.append(req)
-                sample_rows.append(offset)
+                joining.append(req)
+                join_rows.append(offset)
             offset += count
         table = self.manager.table
+        sampled: list[Req] = running.reqs
         tokens_host = None
-        if sampled:
+        if sampled or joining:
             chosen = logits
-            subset = len(sample_rows) != len(logits)
-            joining = sampled[decoding:]  # requests whose prefill ends this step: their first token
-            rows = step.rows[:decoding]
-            if joining:
-                rows = np.concatenate([rows, np.fromiter((r.row for r in joining), dtype=np.int64)])
-            picks = [np.array(sample_rows, dtype=np.int64)] if subset else []
-            rows_d, *picked = table.upload([rows, *picks])
-            if subset:
-                chosen = logits[picked[0]]
-            tokens = self.sampler.sample(chosen, [r.params for r in sampled], [r.index for r in sampled])
+            params, uids = running.params, running.uids
+            subset = decoding + len(joining) != len(logits)
+            if joining or subset:
+                sampled = [*sampled, *joining]
+                params = [*params, *(r.params for r in joining)]
+                uids = (*uids, *(r.index for r in joining))
+                rows = np.concatenate([running.rows, np.fromiter((r.row for r in joining), np.int64)])
+                picks = [np.concatenate([running.order, join_rows]).astype(np.int64)] if subset else []
+                rows_d, *picked = table.upload([rows, *picks])
+                if subset:
+                    chosen = logits[picked[0]]
+            else:  # a decode step: the same rows as long as `running` is unchanged
+                if running.rows_device is None:
+                    (running.rows_device,) = table.upload([running.rows])
+                rows_d = running.rows_device
+            tokens = self.sampler.sample(chosen, params, uids)
             tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
             table.set_next_tokens(rows_d, tokens)
             tokens_host = _copy_to_host(tokens)
@@ -302,19 +327,19 @@ class Scheduler:
         if timer is not None:
             timer[1].record()
             self._timed.append(timer)
-        self._advance(items, decoding)
+        self._advance(items, running)
         if decode:
             self.step_times.host_s.append(time.perf_counter() - started)
         return _Launched(sampled, tokens_host, [(r, len(t), last) for r, t, last in scored], scores, done)
 
-    def _advance(self, items: list[Item], decoding: int) -> None:
+    def _advance(self, items: list[Item], running: RunningRows) -> None:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain."""
+        decoding = len(running.reqs)
+        running.advance()
         done: list[Req] = []
-        for req in self.running[:decoding]:  # the decode items, in order
-            req.num_computed += 1
-            req.launched += 1
-            if req.launched >= req.launch_limit:
-                done.append(req)
+        if decoding and running.steps_left <= 0:  # some request launched its last token
+            self._settle()
+            done = [r for r in running.reqs if r.launched >= r.launch_limit]
         with self.manager.lazy_free_region():
             for req, _, end in items[decoding:]:
                 req.num_computed = end
@@ -328,7 +353,11 @@ class Scheduler:
                     continue
                 req.launch_limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
                 req.launched += 1
-                (self.running if req.launched < req.launch_limit else self.draining).append(req)
+                if req.launched < req.launch_limit:
+                    self._settle()
+                    self.running.append(req)
+                else:
+                    self.draining.append(req)
         for req in done:
             self.running.remove(req)
             self.draining.append(req)
@@ -356,12 +385,16 @@ class Scheduler:
                         self._release(req, "length", None)
             if launched.tokens is None:
                 return
+            settled = False
             for req, token in zip(launched.sampled, launched.tokens.tolist()):
                 if req.finish_reason is not None:
                     continue  # it stopped a step earlier: this token was computed past its end
                 req.append(token)
                 reason = self._finish_reason(req, token)
                 if reason is not None:
+                    if not settled:
+                        self._settle()
+                        settled = True
                     (self.running if req in self.running else self.draining).remove(req)
                     self._release(req, reason, None)
 

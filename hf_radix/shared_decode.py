@@ -110,6 +110,7 @@ class SharedPrefixDecode:
         self.plans = 0  # plans built (batch membership changes)
         self._rows: np.ndarray | None = None
         self._handles: list[MatchHandle | None] = []
+        self._lock_version = -1  # the manager's `lock_version` when `_handles` were last compared
         self._share: DecodeShare | None = None
 
     def _buffers(self, rows: int) -> SharedPrefixBuffers:
@@ -117,18 +118,22 @@ class SharedPrefixDecode:
         return SharedPrefixBuffers(rows, rows, tile_q, 1, self.engine.device)
 
     def share(self, step: StepRows) -> DecodeShare | None:
-        """The shared-prefix attention of a decode step (padding rows included), or None: per-row."""
+        """The shared-prefix attention of a decode step (padding rows included), or None: per-row.
+
+        O(1) Python work while the batch's rows are unchanged and no row's lock moved since the last call
+        (the manager's `lock_version`); otherwise the rows' locks are compared and the plan rebuilt if
+        they differ.
+        """
         rows = step.rows
         manager = self.engine.manager
-        handles = [None if r == PADDING_ROW else manager.row_handle(r) for r in rows.tolist()]
-        same = (
-            self._rows is not None
-            and np.array_equal(rows, self._rows)
-            and all(a is b for a, b in zip(handles, self._handles))
-        )
-        if not same:
-            self._rows, self._handles = rows.copy(), handles  # held: a lock's id is never reused meanwhile
-            self._share = self._plan(step, handles)
+        same_rows = self._rows is not None and np.array_equal(rows, self._rows)
+        if not (same_rows and manager.lock_version == self._lock_version):
+            handles = [None if r == PADDING_ROW else manager.row_handle(r) for r in rows.tolist()]
+            if not (same_rows and all(a is b for a, b in zip(handles, self._handles))):
+                # held: a lock's id is never reused meanwhile
+                self._rows, self._handles = rows.copy(), handles
+                self._share = self._plan(step, handles)
+            self._lock_version = manager.lock_version
         if self._share is not None:
             self.steps += 1
         return self._share

@@ -36,7 +36,8 @@ def aligned_views(flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
 
 
 class HostStaging:
-    """Uploads int64 host arrays to `device`; off CUDA the packed array itself is returned (no copy made)."""
+    """Uploads int64 (and int32) host arrays to `device`; off CUDA the packed array itself is returned (no
+    copy made)."""
 
     def __init__(self, device: torch.device | str, ring: int = RING):
         self.device = torch.device(device)
@@ -45,28 +46,43 @@ class HostStaging:
         self._next = 0
         self.uploads = 0
 
-    def upload(self, parts: Sequence[np.ndarray]) -> list[torch.Tensor]:
-        """`parts` (int64 after conversion) on the device, one tensor each, sent as one packed copy."""
-        sizes = [len(p) for p in parts]
+    def upload(self, parts: Sequence[np.ndarray], narrow: Sequence[np.ndarray] = ()) -> list[torch.Tensor]:
+        """`parts` (int64 after conversion), then `narrow` (int32), on the device, one tensor each, sent
+        as one packed copy (the int32 values share the packed buffer's last words: no cast on the device).
+        Every tensor starts `ALIGN_BYTES`-aligned.
+        """
+        sizes, narrow_sizes = [len(p) for p in parts], [len(p) for p in narrow]
+        offsets, wide = aligned_offsets(sizes, 8)
+        narrow_offsets, count = aligned_offsets(narrow_sizes, 4)
+        total = wide + count // 2  # `count` is a whole number of aligned int64 pairs' worth of int32s
         self.uploads += 1
-        if self.device.type != "cuda":
-            packed = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
-            return list(torch.from_numpy(packed).split(sizes))
-        offsets, total = aligned_offsets(sizes, 8)
-        slot = self._next
-        self._next = (slot + 1) % len(self._buffers)
-        event = self._events[slot]
-        if event is not None:
-            event.synchronize()  # the last copy out of this buffer has completed (almost always long ago)
-        buffer = self._buffers[slot]
-        if buffer is None or buffer.numel() < total:
-            size = max(total, 2 * (0 if buffer is None else buffer.numel()), 1024)
-            buffer = self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        host = buffer.numpy()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            slot = self._next
+            self._next = (slot + 1) % len(self._buffers)
+            event = self._events[slot]
+            if event is not None:
+                event.synchronize()  # the last copy out of this buffer has completed (almost always long ago)
+            buffer = self._buffers[slot]
+            if buffer is None or buffer.numel() < total:
+                size = max(total, 2 * (0 if buffer is None else buffer.numel()), 1024)
+                buffer = self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            host = buffer.numpy()[:total]
+        else:
+            host = np.empty(total, dtype=np.int64)  # returned as is: never reused
         for offset, part in zip(offsets, parts):
             host[offset:offset + len(part)] = part
-        packed = buffer[:total].to(self.device, non_blocking=True)
-        if event is None:
-            event = self._events[slot] = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
-        return aligned_views(packed, offsets, sizes)
+        words = host[wide:].view(np.int32)
+        for offset, part in zip(narrow_offsets, narrow):
+            words[offset:offset + len(part)] = part
+        if cuda:
+            packed = buffer[:total].to(self.device, non_blocking=True)
+            if event is None:
+                event = self._events[slot] = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
+        else:
+            packed = torch.from_numpy(host)
+        out = aligned_views(packed, offsets, sizes)
+        if narrow:
+            out += aligned_views(packed[wide:].view(torch.int32), narrow_offsets, narrow_sizes)
+        return out

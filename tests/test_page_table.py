@@ -54,6 +54,38 @@ def test_staging_packs_parts_into_one_upload():
     assert staging.uploads == 1
 
 
+def test_staging_sends_int32_parts_in_the_same_copy():
+    """int32 parts share the packed buffer's last words (no cast on the device); odd counts included."""
+    staging = HostStaging("cpu")
+    wide, *narrow = staging.upload([np.array([5, -6])], [np.array([1, -2, 3], dtype=np.int32), np.zeros(0),
+                                                         np.array([2**31 - 1])])
+    assert wide.tolist() == [5, -6] and wide.dtype == torch.int64
+    assert [n.tolist() for n in narrow] == [[1, -2, 3], [], [2**31 - 1]]
+    assert {n.dtype for n in narrow} == {torch.int32} and staging.uploads == 1
+    table = PageTable(8, "cpu", scratch_slot=99)
+    row = table.open()
+    table.write(np.array([row]), np.array([3]), np.array([7]))
+    (extra,) = table.upload([], [np.array([4], dtype=np.int32)])  # with the pending write, int32 too
+    assert extra.tolist() == [4] and extra.dtype == torch.int32 and table.slots[row, 3] == 7
+
+
+def test_every_staged_array_and_tile_table_starts_16_byte_aligned():
+    """Triton compiles a kernel variant per pointer alignment: views into one packed buffer must not start
+    at offsets that follow the batch's sizes (a first run would compile new variants)."""
+    from hf_radix.prefix_groups import SharedPrefixBuffers
+
+    staging = HostStaging("cpu")
+    for sizes in ([1, 3, 2], [5], [2, 7, 1, 1]):
+        out = staging.upload([np.arange(n) for n in sizes], [np.arange(n, dtype=np.int32) for n in sizes])
+        assert [t.tolist() for t in out] == [list(range(n)) for n in sizes] * 2
+        assert all(t.data_ptr() % 16 == 0 for t in out), [t.data_ptr() % 16 for t in out]
+    for rows in (3, 5, 256):
+        buffers = SharedPrefixBuffers(rows, rows, 32, 1, "cpu")
+        tables = [buffers.prefix_tiles, buffers.prefix_queries, buffers.suffix_tiles, buffers.suffix_queries,
+                  buffers.query_pos, buffers.query_shared, buffers.prefix_tile_leader, buffers.prefix_splits]
+        assert all(t.data_ptr() % 16 == 0 for t in tables)
+
+
 def test_request_ids_follow_its_tokens():
     req = Req(0, [4, 5, 6], SamplingParams(max_new_tokens=3))
     assert req.match_ids.tolist() == [4, 5, 6]
@@ -121,6 +153,53 @@ def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
     torch.cuda.synchronize()
     for i, out in enumerate(outs):
         assert out.shape == (1000 + i,) and bool((out == i).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_metadata_on_the_gpu_equals_the_cpu_one():
+    """The staged copy (int64 and int32 parts, the pending table writes) and the device gathers give on
+    CUDA exactly the metadata they give on the CPU: decode steps (more than the ring has buffers, a write
+    each) and mixed steps with ids from the table, every slot-list choice."""
+    import dataclasses
+
+    from hf_radix.forward_batch import SLOT_LISTS, StepRows, build_forward_batch
+    from hf_radix.staging import RING
+
+    tables = [PageTable(4096, device, scratch_slot=4096, width=64) for device in ("cpu", "cuda")]
+    gen = np.random.default_rng(0)
+    rows = np.array([[t.open() for _ in range(5)] for t in tables][0])
+    lens = gen.integers(3, 40, 5)
+    contexts = [gen.permutation(4096)[:60] for _ in rows]
+    tokens = gen.integers(0, 1000, 5)
+    for table in tables:
+        for row, context in zip(rows, contexts):
+            table.write_row(int(row), 0, context[:40])
+        table.set_next_tokens(torch.as_tensor(rows, device=table.device),
+                              torch.as_tensor(tokens, device=table.device))
+
+    def same(step: StepRows, slot_lists: str) -> None:
+        cpu, cuda = (build_forward_batch(t, step, slot_lists) for t in tables)
+        for field in dataclasses.fields(cpu):
+            a, b = getattr(cpu, field.name), getattr(cuda, field.name)
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and torch.equal(a, b.cpu()), field.name
+            elif isinstance(a, np.ndarray):
+                assert np.array_equal(a, b), field.name
+            else:
+                assert a == b, field.name
+
+    for k in range(3 * RING):  # decode: one new slot a row, written before each step
+        for table in tables:
+            table.write(rows, lens + k, np.array([c[40 + k % 20] for c in contexts]))
+        step = StepRows(rows=rows, prefix_lens=lens + k, new_lens=np.ones(5, np.int64),
+                        input_ids=np.zeros(5, np.int64), from_table=np.arange(5))
+        same(step, SLOT_LISTS[k % 3])
+    mixed = StepRows.of(rows[:3], lens[:3] - 2, [gen.integers(0, 1000, n) for n in (1, 2, 3)],
+                        [np.array([0]), np.array([]), np.array([1, 2])])
+    mixed.from_table = np.array([0])
+    for slot_lists in SLOT_LISTS:
+        same(mixed, slot_lists)
 
 
 def test_the_table_widens_past_its_first_width_keeping_rows_and_pending_writes():

@@ -187,3 +187,39 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
     assert not core.has_graphs
     assert [o.token_ids for o in outs] == [_reference("llama", tuple(p)) for p in prompts]
     assert sum("cannot be captured" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_steady_decode_steps_reuse_the_running_arrays(monkeypatch):
+    """While the running requests stay the same, a decode step reuses their arrays (built once) and sends
+    one staged copy; the counters written back when they change cache every computed token."""
+    from hf_radix import scheduler as scheduler_module
+
+    runner = _runner("llama", page_size=1, max_running_requests=4, chunked_prefill_size=256)
+    scheduler, staging = runner.scheduler, runner.engine.manager.table.staging
+    built: list[int] = []
+    real_rows, real_launch = scheduler_module.RunningRows, scheduler._launch
+
+    def running_rows(reqs):
+        built.append(len(reqs))
+        return real_rows(reqs)
+
+    uploads: list[int] = []
+
+    def launch(items, started):
+        decode, before = len(items) == len(scheduler.running), staging.uploads
+        launched = real_launch(items, started)
+        if decode:
+            uploads.append(staging.uploads - before)
+        return launched
+
+    monkeypatch.setattr(scheduler_module, "RunningRows", running_rows)
+    monkeypatch.setattr(scheduler, "_launch", launch)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [random_ids(gen, 5 + 3 * i) for i in range(4)]  # no shared prefix: admitted in one round
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [_reference("llama", tuple(p)) for p in prompts]
+    assert built.count(len(prompts)) == 1 and len(uploads) == NEW - 1
+    assert uploads[0] == 2 and set(uploads[1:]) == {1}  # the rows of the sampled tokens: sent once
+    runner.check_integrity()
+    again = runner.run([p + o.token_ids for p, o in zip(prompts, outs)], SamplingParams(max_new_tokens=1))
+    assert [o.cached_tokens for o in again] == [len(p) + NEW - 1 for p in prompts]

@@ -114,6 +114,34 @@ def test_plan_is_kept_while_rows_decode_and_refreshed_on_the_device(page_size: i
     assert default.share(step) is None  # tiny shapes: the cost rule picks per-row attention
 
 
+def test_share_compares_locks_only_after_one_moved(monkeypatch):
+    """A step with the rows and locks of the last one reads no row's lock (O(1)); a lock moving elsewhere
+    makes it compare them (same plan); a lock of the batch moving makes a new plan."""
+    engine = RadixEngine(fresh_model("llama"), EngineOptions(attn_backend="torch", max_total_tokens=1024))
+    gen = torch.Generator().manual_seed(2)
+    system = random_ids(gen, 9)
+    prompts = [system + random_ids(gen, 3 + i) for i in range(4)]
+    rows = np.array(_decode_rows(engine, prompts))
+    shared = SharedPrefixDecode(engine, dataclasses.replace(decode_cost(engine), keep_all=True), max_rows=8)
+    manager, read = engine.manager, []
+    real = manager.row_handle
+    monkeypatch.setattr(manager, "row_handle", lambda row: read.append(row) or real(row))
+    lens = np.array([len(p) for p in prompts])
+
+    def share(k: int):
+        return shared.share(StepRows(rows=rows, prefix_lens=lens + k, new_lens=np.ones(len(rows), np.int64),
+                                     input_ids=np.zeros(len(rows), np.int64)))
+
+    first = share(0)
+    assert first is not None and len(read) == len(rows) and shared.plans == 1
+    assert share(1) is first and len(read) == len(rows)
+    _decode_rows(engine, [random_ids(gen, 5)])  # another row opens: locks are compared, the plan stays
+    assert share(2) is first and len(read) == 2 * len(rows) and shared.plans == 1
+    longer = prompts[0] + random_ids(gen, 4)
+    manager.cache_req(int(rows[0]), longer, len(longer), finished=False)  # a row of the batch moves its lock
+    assert share(3) is not first and shared.plans == 2 and shared.steps == 4
+
+
 def test_option_turns_shared_prefix_off():
     model = fresh_model("llama")
     runner = RadixBatchRunner(model, attn_backend="triton", max_total_tokens=512, warm_up=False)

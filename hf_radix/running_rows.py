@@ -1,0 +1,61 @@
+"""The scheduler's running requests as arrays, so that a decode step costs O(1) Python work.
+
+While the list of running requests (in order) is unchanged, each step reuses the same rows, parameters
+and device copy of the rows, and only moves every position by one. The requests' own counters
+(`num_computed`, `launched`) lag `pending` steps behind until `settle` writes them back: the scheduler
+settles before the list changes or a request leaves it, then builds new arrays for the new list.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .forward_batch import StepRows
+from .request import Req
+from .sampling import SamplingParams
+
+Item = tuple[Req, int, int]  # a request and the positions [start, end) a step computes for it
+
+
+class RunningRows:
+    """The running requests, in order, with their rows and next positions as arrays."""
+
+    def __init__(self, reqs: list[Req]):
+        n = len(reqs)
+        self.reqs = reqs  # never modified: a changed list gets new arrays
+        self.rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
+        self.starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
+        self.params: list[SamplingParams] = [r.params for r in reqs]
+        self.uids = tuple(r.index for r in reqs)
+        self.steps_left = min((r.launch_limit - r.launched for r in reqs), default=0)  # to a last token
+        self.pending = 0  # steps launched since the requests' counters were written
+        self.rows_device: torch.Tensor | None = None  # `rows` on the device, uploaded once
+        self.order = np.arange(n, dtype=np.int64)  # each request's logits row
+        self._ones = np.ones(n, dtype=np.int64)
+        self._zeros = np.zeros(n, dtype=np.int64)
+
+    def items(self) -> list[Item]:
+        """Each request's decode token: positions `[start, start + 1)`."""
+        starts = self.starts.tolist()
+        return list(zip(self.reqs, starts, [s + 1 for s in starts]))
+
+    def step(self) -> StepRows:
+        """The decode tokens in page-table terms; their ids are read on the device (the last step sampled
+        them)."""
+        return StepRows(rows=self.rows, prefix_lens=self.starts, new_lens=self._ones, input_ids=self._zeros,
+                        from_table=self.order)
+
+    def advance(self) -> None:
+        """Every request's decode token is launched."""
+        self.starts = self.starts + 1  # a new array: steps already built keep theirs
+        self.pending += 1
+        self.steps_left -= 1
+
+    def settle(self) -> None:
+        """Writes the pending steps into the requests' counters."""
+        if self.pending:
+            for req in self.reqs:
+                req.num_computed += self.pending
+                req.launched += self.pending
+            self.pending = 0
