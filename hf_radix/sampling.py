@@ -2,7 +2,7 @@
 
 The sampler's random numbers are counter-based: the noise of vocabulary entry `j` at a request's `n`-th
 sampled token is a hash of (the request's seed, `n`, `j`). So a seeded request samples the same tokens
-whatever its batch-mates and their order. A step is one Triton launch on a GPU
+whatever its batch-mates and their order. A step is a fixed number of Triton launches on a GPU
 (`hf_radix.kernels.triton_sampling`, no sort of the vocabulary) or a fixed handful of torch ops elsewhere
 (`sample_rows_torch`, the same rule and the same noise), whatever the batch. Each row's parameters are
 staged into device buffers once per change of the batch's requests, never per step.
@@ -204,7 +204,7 @@ class _StagedBatch:
 class Sampler:
     """Next tokens of a batch: greedy rows take the argmax, the others sample with counter-based noise.
 
-    One launch per step on a GPU (the Triton kernel; an all-greedy batch: one argmax). `sample` restages
+    Fixed launches per step on a GPU (the Triton kernels; an all-greedy batch: one argmax). `sample` restages
     per-row parameters only when the batch's requests change (`uids`); `drop(uid)` must be called when a
     request ends (its uid may then be reused). A request without a seed draws one from torch's global
     generator when it first samples.

@@ -1,21 +1,29 @@
-"""One Triton launch that samples every row of a batch: greedy, temperature, top-k, top-p, seeded noise.
+"""Samples every row of a batch in a fixed number of Triton launches: greedy, temperature, top-k, top-p, seed.
 
-One program per row reads its logits row a fixed number of times, never sorting it:
+Each row is cut into chunks of `chunk` columns (blocks of `block` columns each); every launch runs one
+program per (row, chunk), so no program walks a whole row and a launch has `rows * chunks` programs:
 
-1. the row's maximum `m` of `x = logit * inv_temperature` (greedy rows: the argmax of the logits; done);
-2. top-k (when `k < vocab`): the k-th largest `x`, found digit by digit on the float's order-preserving
-   32-bit key (`32 / DIGIT_BITS` passes, each counting the row's keys at or above `2**DIGIT_BITS`
-   candidate thresholds), so the threshold is exactly an element's key and ties at it are all kept;
-3. top-p (when `top_p < 1`): the same digit search on mass, `exp(x - m)` summed over the top-k tokens
-   at or above each candidate: the largest value `v` whose tokens at or above it hold at least
-   `top_p` of the top-k mass (the smallest such set of most likely tokens; ties at `v` are all kept);
-4. Gumbel-max over the kept tokens: the argmax of `x + g`, `g` a counter-based Gumbel variate of
-   (the row's seed keys, its step, the token's index) computed in the kernel (`hf_radix.sampling`
-   defines the same numbers in torch); ties go to the lowest index. The row's step is advanced here.
+1. `_block_max_kernel`: each block's and each chunk's largest logit (the row maximum `m` of
+   `x = logit * inv_temperature` is the largest chunk maximum times the scale);
+2. `_digit_kernel`, `32 / DIGIT_BITS` launches for top-k then as many for top-p: the threshold is found
+   digit by digit on the float's order-preserving 32-bit key. Launch `s` sums, per chunk, the weights
+   at or above each of its digit's `2**DIGIT_BITS` candidate keys (1 for top-k, where the target is `k`;
+   `exp(x - m)` over the top-k tokens for top-p, where it is `top_p` of their mass) into a
+   `[rows, 2, chunks, candidates]` scratch (by the launch's parity). Each program of launch `s + 1` sums
+   its row's partials over the chunks in a fixed order, so every program of a row picks the same digit;
+   the row's chunk 0 records the prefix for the launch after. Blocks whose maximum key is below the
+   current candidate bucket hold no weight in it and are not read: past the first digits a search
+   reads only the blocks holding the row's largest values;
+3. `_gumbel_max_kernel`: per chunk, the lowest index of the largest `x + g` among the kept tokens
+   (blocks whose maximum is below the threshold skipped), `g` a counter-based Gumbel variate of (the
+   row's seed keys, its step, the token's index) computed in the kernel (`hf_radix.sampling` defines the
+   same numbers in torch); greedy rows: the first column holding the row's maximum logit;
+4. `_pick_kernel`: per row, the best of its chunks (the lowest chunk on ties); advances sampled rows' steps.
 
-The rule is the one `hf_radix.sampling.sample_rows_torch` computes with a sort; the two agree exactly
-except where a token sits within float rounding of the nucleus boundary (sums in another order) or two
-perturbed scores are within an ulp (`log` of another library).
+No atomics and no host syncs: the tokens are the same from call to call. The rule is the one
+`hf_radix.sampling.sample_rows_torch` computes with a sort; the two agree exactly except where a token
+sits within float rounding of the nucleus boundary (sums in another order) or two perturbed scores are
+within an ulp (`log` of another library).
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ import triton.language as tl
 _MIX_0 = tl.constexpr(0x21F0AAAD)
 _MIX_1 = tl.constexpr(0x735A2D97)
 _COLUMN_SALT = tl.constexpr(0x27D4EB2F)
+# State[row, :]: a search's prefix by launch parity (0, 1), the least key top-k keeps, the least key kept
+_KEPT_FLOOR = tl.constexpr(2)
+_FLOOR = tl.constexpr(3)
+_STATE_SLOTS = tl.constexpr(4)
 
 
 @triton.jit
@@ -61,109 +73,200 @@ def _gumbel(row_key, offs):
 
 
 @triton.jit
-def _load(row_ptr, offs, n_cols, scale):
-    """`x = logit * scale` at `offs` (-inf past the row), its order key, and which lanes are in the row.
-
-    Keys are uint32 ordered as the floats are (-0 and +0 share one).
-    """
-    valid = offs < n_cols
-    x = tl.load(row_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32) * scale
+def _order_key(x):
+    """uint32 keys ordered as the fp32 values `x` are (-0 and +0 share one)."""
     bits = x.to(tl.uint32, bitcast=True)
     sign = tl.full(bits.shape, 0x80000000, tl.uint32)
-    key = tl.where(x == 0.0, sign, tl.where((bits & sign) != 0, ~bits, bits | sign))
-    return x, key, valid
+    return tl.where(x == 0.0, sign, tl.where((bits & sign) != 0, ~bits, bits | sign))
 
 
 @triton.jit
-def _row_max(row_ptr, n_cols, scale, BLOCK: tl.constexpr):
-    best = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        logit = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf"))
-        best = tl.maximum(best, logit.to(tl.float32))
-    return tl.max(best, axis=0) * scale  # max(logit) * scale is max(logit * scale): scale > 0
+def _read_block(row_ptr, block_keys, block, end, n_cols, least, BLOCK: tl.constexpr):
+    """A block's logits (-inf past the row) and whether it was read: only before block `end` and when its
+    largest key is at least `least` (otherwise the masked load moves no memory)."""
+    inside = block < end
+    wanted = inside & (tl.load(block_keys + block, mask=inside, other=0).to(tl.uint32, bitcast=True) >= least)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
+    return tl.load(row_ptr + offs, mask=offs < tl.where(wanted, n_cols, 0), other=float("-inf")), wanted
 
 
 @triton.jit
-def _threshold_key(row_ptr, n_cols, scale, floor, m, target, MASS: tl.constexpr, BLOCK: tl.constexpr,
-                   DIGIT_BITS: tl.constexpr):
-    """The largest key `t` such that the row's weights at keys >= max(t, floor) reach the target.
-
-    Weights are 1 (`MASS=False`: the target is a count, k) or `exp(x - m)` (`MASS=True`: the target is
-    the fraction `top_p` of the weight at keys >= floor). One pass over the row per digit of the key.
-    """
-    RADIX: tl.constexpr = 1 << DIGIT_BITS
-    digits = tl.arange(0, RADIX)
-    prefix = tl.full((), 0, tl.uint32)
-    goal = target
-    for i in tl.static_range(32 // DIGIT_BITS):
-        shift = 32 - DIGIT_BITS * (i + 1)
-        candidates = prefix + (digits.to(tl.uint32) << shift)
-        partial = tl.zeros([BLOCK, RADIX], tl.float32)  # summed across lanes once, after the pass
-        for start in range(0, n_cols, BLOCK):
-            x, key, valid = _load(row_ptr, start + tl.arange(0, BLOCK), n_cols, scale)
-            kept = valid & (key >= floor)
-            weight = tl.where(kept, tl.exp(x - m), 0.0) if MASS else kept.to(tl.float32)
-            above = key[:, None] >= candidates[None, :]
-            partial += tl.where(above, weight[:, None], 0.0)
-        reached = tl.sum(partial, axis=0)
-        if MASS and i == 0:  # candidate 0 of the first digit is every kept token: their total mass
-            goal = target * tl.sum(tl.where(digits == 0, reached, 0.0), axis=0)
-        # `reached` falls with the digit; the largest digit still reaching the goal extends the prefix
-        digit = tl.maximum(tl.sum((reached >= goal).to(tl.int32), axis=0) - 1, 0)
-        prefix = prefix + (digit.to(tl.uint32) << shift)
-    return prefix
+def _scaled(logit, block, n_cols, scale, BLOCK: tl.constexpr):
+    """`x = logit * scale` of a block read by `_read_block`, its order key, and which lanes are in the row."""
+    x = logit.to(tl.float32) * scale
+    return x, _order_key(x), block * BLOCK + tl.arange(0, BLOCK) < n_cols
 
 
 @triton.jit
-def _kept_floor(row_ptr, n_cols, scale, top_k, top_p, BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
-    """The order key of the row's least kept `x` under top-k then top-p (0: every token is kept)."""
-    floor = tl.full((), 0, tl.uint32)
-    m = _row_max(row_ptr, n_cols, scale, BLOCK)
-    if top_k < n_cols:
-        floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_k.to(tl.float32), False, BLOCK,
-                               DIGIT_BITS)
-    if top_p < 1.0:
-        floor = _threshold_key(row_ptr, n_cols, scale, floor, m, top_p, True, BLOCK, DIGIT_BITS)
-    return floor
+def _row_max(ChunkMax, row, n_chunks, CHUNKS: tl.constexpr):
+    """The row's largest logit, from its chunk maxima."""
+    c = tl.arange(0, CHUNKS)
+    return tl.max(tl.load(ChunkMax + row * n_chunks + c, mask=c < n_chunks, other=float("-inf")), axis=0)
 
 
 @triton.jit
-def _argmax(row_ptr, n_cols, scale, floor, row_key, NOISE: tl.constexpr, BLOCK: tl.constexpr):
-    """The lowest index of the largest `x + g` (`x` alone without noise) among keys >= floor."""
-    best = tl.full((), float("-inf"), tl.float32)
-    best_index = tl.full((), 0, tl.int32)
-    for start in range(0, n_cols, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x, key, valid = _load(row_ptr, offs, n_cols, scale)
-        score = x
-        if NOISE:
-            score = tl.where(valid & (key >= floor), x + _gumbel(row_key, offs), float("-inf"))
-        value, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        better = value > best
-        best = tl.where(better, value, best)
-        best_index = tl.where(better, start + index, best_index)
-    return best_index
+def _reached(Partials, row, parity, n_chunks, CHUNKS: tl.constexpr, RADIX: tl.constexpr):
+    """`[RADIX]`: the row's weight at or above each candidate of one launch, its chunks summed in order."""
+    c = tl.arange(0, CHUNKS)[:, None]
+    d = tl.arange(0, RADIX)[None, :]
+    partials = tl.load(Partials + ((row * 2 + parity) * n_chunks + c) * RADIX + d, mask=c < n_chunks,
+                       other=0.0)
+    return tl.sum(partials, axis=0)
 
 
 @triton.jit
-def _sample_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, Key0, Key1, Steps, Out,
-                   BLOCK: tl.constexpr, DIGIT_BITS: tl.constexpr):
-    row = tl.program_id(0)
+def _extend(State, row, step, reached, goal, DIGIT_BITS: tl.constexpr):
+    """The prefix after launch `step`'s digit: the largest candidate whose weight still reaches `goal`."""
+    LEVELS: tl.constexpr = 32 // DIGIT_BITS
+    prefix = tl.load(State + row * _STATE_SLOTS + step % 2).to(tl.uint32)
+    digit = tl.maximum(tl.sum((reached >= goal).to(tl.int32), axis=0) - 1, 0)  # `reached` falls with it
+    shift = (32 - DIGIT_BITS * (step % LEVELS + 1)).to(tl.uint32)
+    return prefix + (digit.to(tl.uint32) << shift)
+
+
+@triton.jit
+def _block_max_kernel(Logits, stride_row, n_cols, InvTemperature, BlockKey, ChunkMax, n_blocks, n_chunks,
+                      BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr):
+    """Each chunk's largest logit; each block's largest `x` as an order key (greedy rows: of the logits)."""
+    row, chunk = tl.program_id(0), tl.program_id(1)
     row_ptr = Logits + row.to(tl.int64) * stride_row
     scale = tl.load(InvTemperature + row)
-    if scale == 0.0:
-        token = _argmax(row_ptr, n_cols, 1.0, 0, 0, False, BLOCK)
+    scale = tl.where(scale != 0.0, scale, 1.0)
+    blocks = chunk * BLOCKS_PER_CHUNK + tl.arange(0, BLOCKS_PER_CHUNK)
+    maxima = tl.full([BLOCKS_PER_CHUNK], float("-inf"), tl.float32)
+    for j in tl.static_range(BLOCKS_PER_CHUNK):  # unrolled: every block's load in flight at once
+        offs = (chunk * BLOCKS_PER_CHUNK + j) * BLOCK + tl.arange(0, BLOCK)
+        logit = tl.load(row_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+        value = tl.max(logit, axis=0)
+        maxima = tl.where(blocks == chunk * BLOCKS_PER_CHUNK + j, value, maxima)
+    keys = _order_key(maxima * scale)  # above every key of its block: rounding keeps the order
+    tl.store(BlockKey + row * n_blocks + blocks, keys.to(tl.int32, bitcast=True), mask=blocks < n_blocks)
+    tl.store(ChunkMax + row * n_chunks + chunk, tl.max(maxima, axis=0))
+
+
+@triton.jit(do_not_specialize=["step"])
+def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockKey, ChunkMax, Partials, State,
+                  Goal, n_blocks, n_chunks, step, MASS: tl.constexpr, BLOCK: tl.constexpr,
+                  BLOCKS_PER_CHUNK: tl.constexpr, CHUNKS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+    """Launch `step` of the threshold searches: top-k's digits (MASS=False), then top-p's (MASS=True)."""
+    LEVELS: tl.constexpr = 32 // DIGIT_BITS
+    RADIX: tl.constexpr = 1 << DIGIT_BITS
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    state = State + row * _STATE_SLOTS
+    scale = tl.load(InvTemperature + row)
+    top_k, top_p = tl.load(TopK + row), tl.load(TopP + row)
+    level = step % LEVELS
+    kept_floor = tl.full((), 0, tl.uint32)  # the least key top-k keeps
+    if MASS:
+        if level == 0:  # top-k's last digit is decided here, once for every later launch
+            if (scale != 0.0) & (top_k < n_cols):
+                reached = _reached(Partials, row, (step - 1) % 2, n_chunks, CHUNKS, RADIX)
+                kept_floor = _extend(State, row, step - 1, reached, top_k.to(tl.float32), DIGIT_BITS)
+            if chunk == 0:
+                tl.store(state + _KEPT_FLOOR, kept_floor.to(tl.int64))
+        else:
+            kept_floor = tl.load(state + _KEPT_FLOOR).to(tl.uint32)
+        searching = (scale != 0.0) & (top_p < 1.0)
+        target = top_p
     else:
-        top_k, top_p = tl.load(TopK + row), tl.load(TopP + row)
-        floor = _kept_floor(row_ptr, n_cols, scale, top_k, top_p, BLOCK, DIGIT_BITS)
-        step = tl.load(Steps + row)
+        searching = (scale != 0.0) & (top_k < n_cols)
+        target = top_k.to(tl.float32)
+    if searching:
+        prefix = tl.full((), 0, tl.uint32)
+        if level > 0:
+            reached = _reached(Partials, row, (step - 1) % 2, n_chunks, CHUNKS, RADIX)
+            goal = target
+            if MASS:
+                if level == 1:  # candidate 0 of the first digit is every kept token: their total mass
+                    goal = target * tl.sum(tl.where(tl.arange(0, RADIX) == 0, reached, 0.0), axis=0)
+                    if chunk == 0:
+                        tl.store(Goal + row, goal)
+                else:
+                    goal = tl.load(Goal + row)
+            prefix = _extend(State, row, step - 1, reached, goal, DIGIT_BITS)
+        if chunk == 0:
+            tl.store(state + step % 2, prefix.to(tl.int64))
+        m = _row_max(ChunkMax, row, n_chunks, CHUNKS) * scale  # max(logit) * scale: scale > 0
+        shift = (32 - DIGIT_BITS * (level + 1)).to(tl.uint32)
+        candidates = prefix + (tl.arange(0, RADIX).to(tl.uint32) << shift)
+        least = tl.maximum(prefix, kept_floor)  # keys below it weigh nothing at any candidate
+        row_ptr = Logits + row.to(tl.int64) * stride_row
+        partial = tl.zeros([BLOCK, RADIX], tl.float32)  # summed across lanes once, after the chunk
+        block_keys = BlockKey + row * n_blocks
+        first = chunk * BLOCKS_PER_CHUNK
+        end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
+        logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, least, BLOCK)
+        for block in range(first, first + BLOCKS_PER_CHUNK):
+            # the next block's read is in flight while this one is summed
+            logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, least, BLOCK)
+            if wanted:
+                x, key, valid = _scaled(logit, block, n_cols, scale, BLOCK)
+                kept = valid & (key >= kept_floor)
+                weight = tl.where(kept, tl.exp(x - m), 0.0) if MASS else kept.to(tl.float32)
+                partial += tl.where(key[:, None] >= candidates[None, :], weight[:, None], 0.0)
+            logit, wanted = logit_next, wanted_next
+        d = tl.arange(0, RADIX)
+        tl.store(Partials + ((row * 2 + step % 2) * n_chunks + chunk) * RADIX + d, tl.sum(partial, axis=0))
+
+
+@triton.jit(do_not_specialize=["step"])
+def _gumbel_max_kernel(Logits, stride_row, n_cols, InvTemperature, TopP, Key0, Key1, Steps, BlockKey,
+                       ChunkMax, Partials, State, Goal, BestValue, BestIndex, n_blocks, n_chunks, step,
+                       BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
+                       DIGIT_BITS: tl.constexpr):
+    """Per (row, chunk): the lowest index of the largest `x + g` over kept tokens (`x` alone: greedy rows)."""
+    RADIX: tl.constexpr = 1 << DIGIT_BITS
+    row, chunk = tl.program_id(0), tl.program_id(1)
+    scale = tl.load(InvTemperature + row)
+    sampled = scale != 0.0
+    scale = tl.where(sampled, scale, 1.0)
+    row_key = tl.full((), 0, tl.uint32)
+    if sampled:
+        if tl.load(TopP + row) < 1.0:  # top-p's last digit
+            reached = _reached(Partials, row, (step - 1) % 2, n_chunks, CHUNKS, RADIX)
+            floor = _extend(State, row, step - 1, reached, tl.load(Goal + row), DIGIT_BITS)
+        else:
+            floor = tl.load(State + row * _STATE_SLOTS + _KEPT_FLOOR).to(tl.uint32)
         key0 = tl.load(Key0 + row).to(tl.uint32)
         key1 = tl.load(Key1 + row).to(tl.uint32)
-        row_key = _mix32(_mix32(key0 ^ step.to(tl.uint32)) ^ key1)
-        token = _argmax(row_ptr, n_cols, scale, floor, row_key, True, BLOCK)
-        tl.store(Steps + row, step + 1)
-    tl.store(Out + row, token.to(tl.int64))
+        row_key = _mix32(_mix32(key0 ^ tl.load(Steps + row).to(tl.uint32)) ^ key1)
+    else:  # greedy: the columns holding the largest logit
+        floor = _order_key(_row_max(ChunkMax, row, n_chunks, CHUNKS))
+    if chunk == 0:
+        tl.store(State + row * _STATE_SLOTS + _FLOOR, floor.to(tl.int64))
+    row_ptr = Logits + row.to(tl.int64) * stride_row
+    best = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), 0, tl.int32)
+    block_keys = BlockKey + row * n_blocks
+    first = chunk * BLOCKS_PER_CHUNK
+    end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
+    logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, floor, BLOCK)
+    for block in range(first, first + BLOCKS_PER_CHUNK):
+        logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, floor, BLOCK)
+        if wanted:
+            x, key, valid = _scaled(logit, block, n_cols, scale, BLOCK)
+            score = x
+            if sampled:
+                score = x + _gumbel(row_key, block * BLOCK + tl.arange(0, BLOCK))
+            score = tl.where(valid & (key >= floor), score, float("-inf"))
+            value, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            better = value > best
+            best = tl.where(better, value, best)
+            best_index = tl.where(better, block * BLOCK + index, best_index)
+        logit, wanted = logit_next, wanted_next
+    tl.store(BestValue + row * n_chunks + chunk, best)
+    tl.store(BestIndex + row * n_chunks + chunk, best_index)
+
+
+@triton.jit
+def _pick_kernel(InvTemperature, Steps, BestValue, BestIndex, Out, n_chunks, CHUNKS: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, CHUNKS)
+    values = tl.load(BestValue + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+    _, which = tl.max(values, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(Out + row, tl.load(BestIndex + row * n_chunks + which).to(tl.int64))
+    if tl.load(InvTemperature + row) != 0.0:
+        tl.store(Steps + row, tl.load(Steps + row) + 1)
 
 
 def sample_rows(
@@ -175,25 +278,72 @@ def sample_rows(
     steps: torch.Tensor,
     *,
     digit_bits: int = 4,
-    block: int = 512,
-    num_warps: int = 8,
+    block: int = 256,
+    chunk: int = 4096,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; one launch; advances sampled `steps`.
+    """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; advances sampled rows' `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
-    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `digit_bits` (a divisor of 32;
-    4: 8 passes per threshold, 16 candidates each), `block` and `num_warps` tune the kernel (the
-    defaults: 79 registers for sm_90, three programs per SM, so 256 rows run in one wave on an H200).
+    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). Always `3 + 64 / digit_bits`
+    launches (`digit_bits` 2, 4 or 8; 4: 19 launches, 16 candidates a digit); each runs a program per
+    `chunk` columns of each row (rounded to a multiple of `block`, the columns a program reads at once).
+    The defaults: 81 registers for sm_90 (six programs per SM), 8,192 programs a launch at 256 rows of
+    128,256 columns.
     """
+    return sample_rows_and_floors(logits, inv_temperature, top_k, top_p, seed_keys, steps,
+                                  digit_bits=digit_bits, block=block, chunk=chunk, num_warps=num_warps)[0]
+
+
+def sample_rows_and_floors(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed_keys: torch.Tensor,
+    steps: torch.Tensor,
+    *,
+    digit_bits: int,
+    block: int,
+    chunk: int,
+    num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_rows`, and `[B]` int64: the order key of each row's least kept `x` (greedy: its maximum)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows:
-        block = min(block, triton.next_power_of_2(vocab))
-        _sample_kernel[(rows,)](
-            logits, logits.stride(0), vocab, inv_temperature, top_k, top_p, seed_keys[0], seed_keys[1], steps,
-            out, BLOCK=block, DIGIT_BITS=digit_bits, num_warps=min(num_warps, max(1, block // 64)),
-            enable_fp_fusion=False,  # x * scale + g rounded twice, as torch rounds it
-        )
-    return out
+    state = torch.empty(rows, _STATE_SLOTS.value, dtype=torch.int64, device=logits.device)
+    if not rows:
+        return out, state[:, _FLOOR.value]
+    if digit_bits not in (2, 4, 8):
+        raise ValueError(f"digit_bits must be 2, 4 or 8, got {digit_bits}")
+    block = min(block, triton.next_power_of_2(vocab))
+    n_blocks = triton.cdiv(vocab, block)
+    blocks_per_chunk = min(max(1, chunk // block), n_blocks)
+    n_chunks = triton.cdiv(n_blocks, blocks_per_chunk)
+    levels, radix = 32 // digit_bits, 1 << digit_bits
+
+    def scratch(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=logits.device)
+
+    block_key, chunk_max = scratch(rows, n_blocks, dtype=torch.int32), scratch(rows, n_chunks)
+    partials, goal = scratch(rows, 2, n_chunks, radix), scratch(rows)
+    best_value, best_index = scratch(rows, n_chunks), scratch(rows, n_chunks, dtype=torch.int32)
+    grid = (rows, n_chunks)
+    sizes = dict(BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk)
+    searches = dict(sizes, CHUNKS=triton.next_power_of_2(n_chunks), DIGIT_BITS=digit_bits)
+    warps = min(num_warps, max(1, block // 64))
+    row_args = (logits, logits.stride(0), vocab, inv_temperature)
+    _block_max_kernel[grid](*row_args, block_key, chunk_max, n_blocks, n_chunks, **sizes, num_warps=warps)
+    for step in range(2 * levels):
+        _digit_kernel[grid](*row_args, top_k, top_p, block_key, chunk_max, partials, state, goal, n_blocks,
+                            n_chunks, step, MASS=step >= levels, **searches, num_warps=warps)
+    _gumbel_max_kernel[grid](
+        *row_args, top_p, seed_keys[0], seed_keys[1], steps, block_key, chunk_max, partials, state, goal,
+        best_value, best_index, n_blocks, n_chunks, 2 * levels, **searches, num_warps=warps,
+        enable_fp_fusion=False,  # x * scale + g rounded twice, as torch rounds it
+    )
+    _pick_kernel[(rows,)](inv_temperature, steps, best_value, best_index, out, n_chunks,
+                          CHUNKS=triton.next_power_of_2(n_chunks))
+    return out, state[:, _FLOOR.value]
