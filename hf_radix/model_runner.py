@@ -30,6 +30,7 @@ from .cuda_graph import (
 )
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .page_table import PADDING_ROW, to_device
+from .sampling import warm_up_sampling
 from .shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
@@ -194,6 +195,7 @@ class ModelRunner:
         sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
         started = time.perf_counter()
         width = engine.manager.table.width
+        logits = None
         for tokens in WARM_UP_TOKENS:
             for prefix in {0, min(tokens + 1, width - tokens)}:
                 if 0 <= prefix <= width - tokens:
@@ -201,7 +203,9 @@ class ModelRunner:
                         rows=np.array([PADDING_ROW]), prefix_lens=np.array([prefix]),
                         new_lens=np.array([tokens]), input_ids=np.zeros(tokens, dtype=np.int64),
                     )
-                    engine.run_model(build_forward_batch(engine.manager.table, step))
+                    logits = engine.run_model(build_forward_batch(engine.manager.table, step))
+        if logits is not None:
+            warm_up_sampling(logits)
         self._warm_up_shared_prefix()
         sync()
         eager = time.perf_counter() - started

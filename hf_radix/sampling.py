@@ -278,3 +278,12 @@ class Sampler:
             seed_keys=ints_dev[1:3], steps=ints_dev[3],
         )
         return self._staged
+
+
+def warm_up_sampling(logits: torch.Tensor) -> None:
+    """Compiles what sampling rows of `logits`' dtype and device runs (a seeded top-k + top-p row, a greedy
+    one), so that a first seeded step compiles nothing; the rows' own draws are thrown away."""
+    rows = logits[-1:].expand(2, -1).contiguous()
+    params = [SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.9, top_k=5, seed=0),
+              SamplingParams(max_new_tokens=1)]
+    Sampler(logits.device).sample(rows, params, [0, 1])
