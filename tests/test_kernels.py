@@ -22,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from interpreter import assert_check_passed, interpreter_report, report_checks
 
+pytestmark = pytest.mark.slow  # no transformers version changes what this tests: run once
+
 # --------------------------------------------------------------------------------------------------------
 # Case builders and float64 reference
 # --------------------------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from hf_radix.prefix_groups import (
     build_shared_prefix_plan,
 )
 
+pytestmark = pytest.mark.slow  # no transformers version changes what this tests: run once
+
 LLAMA_BF16 = SharedPrefixCost(num_q_heads=32, num_kv_heads=8, head_dim=128, dtype_bytes=2, prefix_parts=4)
 
 

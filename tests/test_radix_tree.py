@@ -12,6 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from hf_radix.radix_tree import IntegrityError, MatchHandle, RadixPrefixCache, SizeInfo
 
+pytestmark = pytest.mark.slow  # no transformers version changes what this tests: run once
+
 # ----------------------------------------------------------------------------- helpers
 
 

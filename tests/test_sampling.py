@@ -360,11 +360,13 @@ def interp_report() -> dict[str, Any]:
     return interpreter_report(__file__)
 
 
+@pytest.mark.slow  # the kernels alone: no transformers version changes them
 @pytest.mark.parametrize("name", list(INTERP_CHECKS))
 def test_sampling_kernel_under_the_interpreter(interp_report: dict[str, Any], name: str):
     assert_check_passed(interp_report, name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel_name, extra", [
     ("_block_max_kernel", {}), ("_digit_kernel", {"MASS": False}), ("_digit_kernel", {"MASS": True}),
     ("_gumbel_max_kernel", {}), ("_pick_kernel", {}),
