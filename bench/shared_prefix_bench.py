@@ -198,7 +198,10 @@ def decode_variants(runner_splits: int, quick: bool, full: bool) -> list[dict[st
     out += [v("overlap", cfg={128: PREFIX_CFGS[1], 16: c}) for c in (SUFFIX_CFGS[0], SUFFIX_CFGS[-1])]
     # prefix tiles of 64 (query, head) rows: two a group of 32 rows (its prefix read twice, the second
     # time from L2), lighter programs
-    out += [v(m, tile_rows=64, cfg={64: _cfg(32, 4, 3)}) for m in ("fold", "overlap")]
+    out += [v(m, tile_rows=64, cfg={64: _cfg(32, 4, 3)}) for m in ("fold", "overlap", "fused")]
+    # two prefix programs an SM (registers capped): more prefix splits pay
+    out += [v("fold", s, cfg={128: PREFIX_CFGS[1]}) for s in (2, 4)]
+    out += [v("fused", 4, cfg={128: PREFIX_CFGS[1]})]
     return out
 
 

@@ -320,6 +320,24 @@ def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softc
     assert kernel.metadata.shared <= H100_SMEM, kernel.metadata.shared
 
 
+def test_fused_kernel_compiles_for_sm90() -> None:
+    """The one-grid prefix + suffix kernel (mode "fused") with its beside-config register cap."""
+    compile_test = pytest.importorskip("test_kernels_compile")
+    from hf_radix.kernels import triton_shared_prefix as sp
+
+    pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
+    pointers.update({name: "*i32" for name in ("PrefixTiles", "PrefixQueries", "SuffixTiles", "SuffixQueries",
+                                               "QPos", "QShared", "PrefixSplits")})
+    pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
+                    cap_scale="fp32")
+    constexprs = dict(GROUP=4, NUM_KV_HEADS=8, PREFIX_TILE_Q=32, SUFFIX_TILE_Q=1, HEAD_DIM=128, BLOCK_D=128,
+                      HEAD_DIM_V=128, BLOCK_DV=128, PREFIX_BLOCK_M=128, SUFFIX_BLOCK_M=16, PREFIX_BLOCK_N=64,
+                      SUFFIX_BLOCK_N=64, USE_WINDOW=True, SOFTCAP=False, HAS_SINKS=True, DOT_PREC="tf32")
+    kernel = compile_test._compile(sp._shared_prefix_fused_kernel, pointers, constexprs, 8, 3)
+    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    assert kernel.metadata.shared <= H100_SMEM, kernel.metadata.shared
+
+
 if __name__ == "__main__":
     if "--interp" in sys.argv:
         _interp_main()

@@ -315,10 +315,11 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's prefix launches run on beside the suffix launch (``mode="overlap"``)."""
+    """The stream a device's prefix launches run on beside the suffix launch (``mode="overlap"``); of high
+    priority, so that the SMs take the prefix programs (the longest) first."""
     stream = _SIDE_STREAMS.get(device)
     if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
     return stream
 
 
