@@ -326,8 +326,8 @@ def test_fused_kernel_compiles_for_sm90() -> None:
     from hf_radix.kernels import triton_shared_prefix as sp
 
     pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
-    pointers.update({name: "*i32" for name in ("PrefixTiles", "PrefixQueries", "SuffixTiles", "SuffixQueries",
-                                               "QPos", "QShared", "PrefixSplits")})
+    tables = ("PrefixTiles", "PrefixQueries", "SuffixTiles", "QPos", "QShared", "PrefixSplits")
+    pointers.update({name: "*i32" for name in tables})
     pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
                     cap_scale="fp32")
     constexprs = dict(GROUP=4, NUM_KV_HEADS=8, PREFIX_TILE_Q=32, SUFFIX_TILE_Q=1, HEAD_DIM=128, BLOCK_D=128,

@@ -15,7 +15,8 @@ once per row. A batch is described by two tile tables built on the host (:mod:`h
 
 A tile row of the table is ``(kv_start, kv_pos0, kv_len, q_start, q_len)``: keys ``j < kv_len`` live at
 slots ``slots[kv_start + j]`` and have absolute positions ``kv_pos0 + j``; the queries are the token
-indices ``queries[q_start : q_start + q_len]`` (rows of ``q``), at absolute positions ``query_pos[token]``.
+indices (rows of ``q``) ``prefix_queries[q_start : q_start + q_len]`` of a prefix tile, the consecutive
+tokens ``q_start .. q_start + q_len - 1`` of a suffix tile, at absolute positions ``query_pos[token]``.
 Masks are by absolute position (causal, and Hugging Face sliding windows: ``p`` sees ``k`` iff ``k <= p``
 and ``p - k < window``), so a window shorter than the prefix reads only the window. Tables are padded with
 ``q_len == 0`` rows (no work), so a batch of any shape up to the buffers' capacity runs in one static grid
@@ -107,13 +108,16 @@ def _tile_program(
         m_mask = (qi < q_len) & (qi < TILE_Q)
         heads = kvh * GROUP + offs_m % GROUP
         if CAUSAL:
-            tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
+            if IS_PREFIX:
+                tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
+            else:  # a suffix tile's queries are consecutive tokens
+                tok = (q_start + qi).to(tl.int64)
             q_pos = tl.load(QPos + tok, mask=m_mask, other=0)
             shared = tl.load(QShared + tok, mask=m_mask, other=0)
             row = tok[:, None]  # the M rows' token, to index 2-D tiles by
             rows_pos = q_pos
         else:  # the M rows' token and position are scalars, as in the per-row decode kernel
-            tok = tl.load(Queries + q_start).to(tl.int64)
+            tok = tl.load(Queries + q_start).to(tl.int64) if IS_PREFIX else q_start.to(tl.int64)
             q_pos = tl.load(QPos + tok)
             shared = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.load(QShared + tok)
             row = tok
@@ -224,7 +228,7 @@ def _shared_prefix_tile_kernel(
 @triton.jit(do_not_specialize=[*_VARYING, "num_prefix_tiles", "num_suffix_tiles", "prefix_splits",
                                "suffix_splits"])
 def _shared_prefix_fused_kernel(
-    Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, SuffixTiles, SuffixQueries, QPos, QShared,
+    Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, SuffixTiles, QPos, QShared,
     PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
     qk_scale, cap_scale, window, part0, num_prev, num_prefix_tiles, num_suffix_tiles, prefix_splits,
     suffix_splits,
@@ -256,7 +260,7 @@ def _shared_prefix_fused_kernel(
         rest = pid // num_suffix_tiles
         _tile_program(
             pid % num_suffix_tiles, rest % NUM_KV_HEADS, rest // NUM_KV_HEADS, suffix_splits,
-            Q, K_cache, V_cache, Slots, SuffixTiles, SuffixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
+            Q, K_cache, V_cache, Slots, SuffixTiles, PrefixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
             Mid_o, Mid_lse, qk_scale, cap_scale, window, part0, num_prev,
             stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
             stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
@@ -304,7 +308,7 @@ def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:
         t = getattr(tiles, name)
         if t.dim() != 2 or t.shape[1] != TILE_FIELDS or t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 [N, {TILE_FIELDS}] tensor")
-    for name in ("prefix_queries", "suffix_queries", "query_pos", "query_shared"):
+    for name in ("prefix_queries", "query_pos", "query_shared"):
         if getattr(tiles, name).dtype != torch.int32:
             raise ValueError(f"{name} must be int32")
     if tiles.query_pos.shape[0] < num_tokens or tiles.query_shared.shape[0] < num_tokens:
@@ -379,13 +383,14 @@ class _Launches:
 
     def _tiles(self, is_prefix: bool) -> None:
         t = self.tiles
-        table, queries, tile_q = ((t.prefix_tiles, t.prefix_queries, t.prefix_tile_q) if is_prefix
-                                  else (t.suffix_tiles, t.suffix_queries, t.suffix_tile_q))
+        table, tile_q = (t.prefix_tiles, t.prefix_tile_q) if is_prefix else (t.suffix_tiles, t.suffix_tile_q)
         splits = self.prefix_splits if is_prefix else self.suffix_splits
         part0 = 0 if is_prefix else self.prefix_parts
         head, strides, consts = self._common()
-        args = (*head, table, queries, t.query_pos, t.query_shared, t.prefix_splits, self.sinks, self.out,
-                self.mid_o, self.mid_lse, self.qk_scale, self.cap_scale, self.window, part0, part0, *strides)
+        # the suffix programs do not read the query list (their tokens are consecutive)
+        args = (*head, table, t.prefix_queries, t.query_pos, t.query_shared, t.prefix_splits, self.sinks,
+                self.out, self.mid_o, self.mid_lse, self.qk_scale, self.cap_scale, self.window, part0, part0,
+                *strides)
         block_m = _block_m(tile_q, self.group)
         kwargs = dict(consts, GROUP=self.group, TILE_Q=tile_q, BLOCK_M=block_m,
                       FINAL=self.final and not is_prefix, IS_PREFIX=is_prefix)
@@ -411,7 +416,7 @@ class _Launches:
         t = self.tiles
         head, strides, consts = self._common()
         n_pre, n_suf = t.prefix_tiles.shape[0], t.suffix_tiles.shape[0]
-        args = (*head, t.prefix_tiles, t.prefix_queries, t.suffix_tiles, t.suffix_queries, t.query_pos,
+        args = (*head, t.prefix_tiles, t.prefix_queries, t.suffix_tiles, t.query_pos,
                 t.query_shared, t.prefix_splits, self.sinks, self.out, self.mid_o, self.mid_lse,
                 self.qk_scale, self.cap_scale, self.window, self.prefix_parts, self.prefix_parts, n_pre,
                 n_suf, self.prefix_splits, self.suffix_splits, *strides)
