@@ -13,6 +13,11 @@ once per row. A batch is described by two tile tables built on the host (:mod:`h
   sink) into its own result and writes the final output; with several, every part goes to the split-KV
   merge kernel shared with the per-row kernels (parts of queries without a shared prefix are emptied).
 
+The launch order is a ``mode`` (`MODES`, equal results): the prefix launch, then the suffix launch folding
+its parts in ("fold"), or writing its own part for the merge kernel ("merge"); that, with the prefix launch
+on a side stream beside the suffix launch ("overlap"), or with both in one grid ("fused"), so that the few
+long prefix programs do not leave the GPU underfilled while the suffix programs wait for them.
+
 A tile row of the table is ``(kv_start, kv_pos0, kv_len, q_start, q_len)``: keys ``j < kv_len`` live at
 slots ``slots[kv_start + j]`` and have absolute positions ``kv_pos0 + j``; the queries are the token
 indices (rows of ``q``) ``prefix_queries[q_start : q_start + q_len]`` of a prefix tile, the consecutive
