@@ -100,7 +100,7 @@ class TritonBackend:
             return self._shared.shared_prefix_attention(
                 q, k_cache, v_cache, batch.kv_indices, share.buffers, scaling,
                 num_prefix_splits=share.prefix_splits, sliding_window=sliding_window, softcap=softcap,
-                sinks=sinks,
+                sinks=sinks, mode=share.mode,
             )
         if batch.is_decode:
             return self._kernels.decode_attention(

@@ -84,7 +84,9 @@ class SharedPrefixPlan:
     """Groups of one batch and the kernel's tile tables (numpy; see :func:`build_shared_prefix_plan`).
 
     Groups ``0 .. num_shared_groups - 1`` share a prefix (two rows or more); the rest are rows alone
-    (``group_prefix_len`` 0). Tile rows are ``(kv_start, kv_pos0, kv_len, q_start, q_len)``.
+    (``group_prefix_len`` 0). Tile rows are ``(kv_start, kv_pos0, kv_len, q_start, q_len)``: a prefix
+    tile's queries are ``prefix_queries[q_start : q_start + q_len]``, a suffix tile's the consecutive
+    tokens from ``q_start`` (each row's tokens are consecutive).
     """
 
     row_group: np.ndarray  # [B] group of each row
@@ -98,7 +100,6 @@ class SharedPrefixPlan:
     prefix_tile_leader: np.ndarray  # [Np] int32 the row whose slots each prefix tile reads (its group leader)
     prefix_queries: np.ndarray  # [Qp] int32 query tokens of the prefix tiles, tile after tile
     suffix_tiles: np.ndarray  # [Ns, 5] int32
-    suffix_queries: np.ndarray  # [Qs] int32
     query_pos: np.ndarray  # [T] int32 absolute position of each query token
     query_shared: np.ndarray  # [T] int32 shared prefix length of the token's group (0: none)
     prefix_tile_q: int
@@ -230,7 +231,6 @@ def build_shared_prefix_plan(
         prefix_tile_leader=prefix_tile_leader,
         prefix_queries=prefix_queries.astype(np.int32),
         suffix_tiles=suffix_tiles,
-        suffix_queries=np.arange(int(qo[-1]), dtype=np.int32),
         query_pos=query_pos.astype(np.int32),
         query_shared=row_prefix[token_row].astype(np.int32),
         prefix_tile_q=group_q,
@@ -299,18 +299,18 @@ class SharedPrefixBuffers:
         num_prefix = min(max_tokens, -(-max_tokens // prefix_tile_q) + max_rows // 2)
         num_suffix = min(max_tokens, -(-max_tokens // suffix_tile_q) + max_rows)
         sizes = [num_prefix * TILE_FIELDS, max_tokens, num_suffix * TILE_FIELDS, max_tokens, max_tokens,
-                 max_tokens, num_prefix, 1]
+                 num_prefix, 1]
         offsets, total = aligned_offsets(sizes, 4)  # every table 16-byte aligned, whatever the capacities
         self._sizes, self._offsets = sizes, offsets
         with torch.inference_mode(False):  # refreshed in place by calls in any grad mode
             self._data = torch.zeros(total, dtype=torch.int32, device=device)
         views = aligned_views(self._data, offsets, sizes)
         self.prefix_tiles = views[0].view(num_prefix, TILE_FIELDS)
-        self.prefix_queries, self.suffix_queries = views[1], views[3]
+        self.prefix_queries = views[1]
         self.suffix_tiles = views[2].view(num_suffix, TILE_FIELDS)
-        self.query_pos, self.query_shared = views[4], views[5]
-        self.prefix_tile_leader = views[6]
-        self.prefix_splits = views[7]  # splits of each prefix (at most the launch's; see load)
+        self.query_pos, self.query_shared = views[3], views[4]
+        self.prefix_tile_leader = views[5]
+        self.prefix_splits = views[6]  # splits of each prefix (at most the launch's; see load)
         self.prefix_splits.fill_(_INT32_MAX)
 
     @property
@@ -339,7 +339,7 @@ class SharedPrefixBuffers:
                 f"{self.prefix_tile_q}/{self.suffix_tile_q}"
             )
         parts = [plan.prefix_tiles.reshape(-1), plan.prefix_queries, plan.suffix_tiles.reshape(-1),
-                 plan.suffix_queries, plan.query_pos, plan.query_shared, plan.prefix_tile_leader,
+                 plan.query_pos, plan.query_shared, plan.prefix_tile_leader,
                  np.array([min(prefix_splits, _INT32_MAX)])]
         host = np.zeros(self._data.numel(), dtype=np.int32)
         for part, size, offset in zip(parts, self._sizes, self._offsets):

@@ -32,16 +32,27 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 MAX_PREFIX_SPLITS = 8
+# How the decode attention orders its launches (`hf_radix.kernels.triton_shared_prefix.MODES`, equal
+# results): "fold" (the prefix launch, then the suffix launch folding the prefix parts in), "overlap" (the
+# prefix launch on a side stream beside the suffix launch, then a merge), "fused" (one launch, then a
+# merge), "merge". Read when a batch's attention is set up, so graphs are captured with it.
+DECODE_MODE = "fold"
+
+
+def _decode_mode() -> str:
+    return DECODE_MODE
 
 
 @dataclass(frozen=True)
 class DecodeShare:
     """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
-    the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph)."""
+    the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph), and
+    the launch order (`DECODE_MODE`)."""
 
     buffers: SharedPrefixBuffers
     rows: int
     prefix_splits: int
+    mode: str = dataclasses.field(default_factory=_decode_mode)
 
     def refresh(self, batch: ForwardBatch) -> None:
         """This step's query positions and slot ranges, from the batch's device metadata (once a step)."""

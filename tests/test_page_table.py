@@ -81,8 +81,8 @@ def test_every_staged_array_and_tile_table_starts_16_byte_aligned():
         assert all(t.data_ptr() % 16 == 0 for t in out), [t.data_ptr() % 16 for t in out]
     for rows in (3, 5, 256):
         buffers = SharedPrefixBuffers(rows, rows, 32, 1, "cpu")
-        tables = [buffers.prefix_tiles, buffers.prefix_queries, buffers.suffix_tiles, buffers.suffix_queries,
-                  buffers.query_pos, buffers.query_shared, buffers.prefix_tile_leader, buffers.prefix_splits]
+        tables = [buffers.prefix_tiles, buffers.prefix_queries, buffers.suffix_tiles, buffers.query_pos,
+                  buffers.query_shared, buffers.prefix_tile_leader, buffers.prefix_splits]
         assert all(t.data_ptr() % 16 == 0 for t in tables)
 
 

@@ -138,7 +138,7 @@ def test_tiles_cover_each_query_once_and_fit_static_buffers(batch) -> None:
     # suffix tiles: every query token exactly once, each tile within one row, over the row's own suffix
     covered = []
     for kv_start, pos0, kv_len, q_start, q_len in plan.suffix_tiles:
-        toks = plan.suffix_queries[q_start:q_start + q_len]
+        toks = np.arange(q_start, q_start + q_len)  # a suffix tile's queries are consecutive tokens
         row = np.searchsorted(qo, toks[0], side="right") - 1
         assert ((toks >= qo[row]) & (toks < qo[row + 1])).all() and 0 < q_len <= plan.suffix_tile_q
         assert (kv_start, pos0, kv_len) == (starts[row] + pos0, plan.query_shared[toks[0]], seq[row] - pos0)

@@ -1,8 +1,9 @@
 """Shared-prefix attention: host grouping (numpy) and the Triton kernels under TRITON_INTERPRET=1.
 
 The kernels are checked against a float64 torch reference (with sliding windows, soft-capping and
-attention sinks) and against the per-row decode/extend kernels (fp32 within 1e-5); a row's result must not
-depend on which other rows share its group. The case builders are reused by tests/test_shared_prefix_gpu.py.
+attention sinks) and against the per-row decode/extend kernels (fp32 within 1e-5); the other launch orders
+(``mode``: merge, overlap, fused) equal the fold path; a row's result must not depend on which other rows
+share its group. The case builders are reused by tests/test_shared_prefix_gpu.py.
 """
 
 from __future__ import annotations
@@ -190,6 +191,14 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any]]] = {
 }
 
 
+# launch orders checked against the fold path on a case (same plan and kernel arguments)
+CASE_MODES: dict[str, tuple[str, ...]] = {
+    "decode_p1": ("merge", "fused"),
+    "decode_fp16_final_window_sinks_d24": ("overlap", "fused"),
+    "extend_p4_merge_window_softcap_sinks": ("fused",),
+}
+
+
 def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-3
 
@@ -210,6 +219,10 @@ def _run_case(name: str) -> dict[str, Any]:
                            "prefix_tiles": len(plan.prefix_tiles)}
     ok = out.dtype == dtype and bool(torch.isfinite(out).all()) and res["err_ref"] <= _tol(dtype)
     ok = ok and plan.num_shared_groups >= 2
+    for mode in CASE_MODES.get(name, ()):
+        res[f"diff_{mode}"] = float((run_shared(case, scaling, plan=plan, mode=mode, **kkw).double()
+                                     - out.double()).abs().max())
+        ok = ok and res[f"diff_{mode}"] <= _tol(dtype)
     if "sinks" not in kkw:
         per_row = run_per_row(case, scaling, sliding_window=kkw.get("sliding_window"),
                               softcap=kkw.get("softcap"))
@@ -236,20 +249,23 @@ def _membership_check() -> dict[str, Any]:
 def _device_split_count_check() -> dict[str, Any]:
     """Launched with more prefix splits than the tables hold (a captured graph's grid), the kernels split
     each prefix into the tables' count: results equal a launch of exactly that many (bit for bit when the
-    suffix program folds the parts, as in decode graphs; merged, the empty parts move the sum's order)."""
+    suffix program folds the parts, as in decode graphs; merged, the empty parts move the sum's order),
+    also in one fused launch."""
     from hf_radix.kernels.triton_shared_prefix import shared_prefix_attention
 
     case = make_shared_case(DECODE_GROUPS, hq=4, hkv=2, d=16, page_size=4, seed=9)
     diffs = {}
-    for suffix_splits in (1, 3):
+    for suffix_splits, mode in ((1, "fold"), (3, "fold"), (1, "fused")):
         plan = case_plan(case, prefix_parts=2)
-        exact = run_shared(case, 0.25, plan=plan, num_prefix_splits=2, num_suffix_splits=suffix_splits)
+        exact = run_shared(case, 0.25, plan=plan, num_prefix_splits=2, num_suffix_splits=suffix_splits,
+                           mode=mode)
         tiles = SharedPrefixBuffers.from_plan(plan, case["q"].device)
         tiles.load(plan, prefix_splits=2)
         wide = shared_prefix_attention(case["q"], case["k_cache"], case["v_cache"], case["slots"], tiles,
-                                       0.25, num_prefix_splits=8, num_suffix_splits=suffix_splits)
-        diffs[suffix_splits] = float((wide - exact).abs().max())
-    return {"ok": diffs[1] == 0.0 and diffs[3] <= 1e-6, "max_abs_diff": diffs}
+                                       0.25, num_prefix_splits=8, num_suffix_splits=suffix_splits, mode=mode)
+        diffs[f"{mode}_{suffix_splits}"] = float((wide - exact).abs().max())
+    ok = diffs["fold_1"] == 0.0 and diffs["fold_3"] <= 1e-6 and diffs["fused_1"] <= 1e-6
+    return {"ok": ok, "max_abs_diff": diffs}
 
 
 def _interp_main() -> None:
@@ -300,6 +316,24 @@ def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softc
                       SOFTCAP=softcap, HAS_SINKS=sinks, FINAL=final, IS_PREFIX=not final, DOT_PREC="tf32")
     kernel = compile_test._compile(sp._shared_prefix_tile_kernel, pointers, constexprs, cfg["num_warps"],
                                    cfg["num_stages"])
+    assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
+    assert kernel.metadata.shared <= H100_SMEM, kernel.metadata.shared
+
+
+def test_fused_kernel_compiles_for_sm90() -> None:
+    """The one-grid prefix + suffix kernel (mode "fused") with its beside-config register cap."""
+    compile_test = pytest.importorskip("test_kernels_compile")
+    from hf_radix.kernels import triton_shared_prefix as sp
+
+    pointers = {name: "*bf16" for name in ("Q", "K_cache", "V_cache", "Out")}
+    tables = ("PrefixTiles", "PrefixQueries", "SuffixTiles", "QPos", "QShared", "PrefixSplits")
+    pointers.update({name: "*i32" for name in tables})
+    pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
+                    cap_scale="fp32")
+    constexprs = dict(GROUP=4, NUM_KV_HEADS=8, PREFIX_TILE_Q=32, SUFFIX_TILE_Q=1, HEAD_DIM=128, BLOCK_D=128,
+                      HEAD_DIM_V=128, BLOCK_DV=128, PREFIX_BLOCK_M=128, SUFFIX_BLOCK_M=16, PREFIX_BLOCK_N=64,
+                      SUFFIX_BLOCK_N=64, USE_WINDOW=True, SOFTCAP=False, HAS_SINKS=True, DOT_PREC="tf32")
+    kernel = compile_test._compile(sp._shared_prefix_fused_kernel, pointers, constexprs, 8, 3)
     assert "mma" in kernel.asm["ptx"] and kernel.asm["cubin"]
     assert kernel.metadata.shared <= H100_SMEM, kernel.metadata.shared
 

@@ -1,7 +1,9 @@
 """GPU tests of shared-prefix attention at Llama-3-8B head shapes (32 query / 8 KV heads, head_dim 128).
 
 bf16 and fp32 against the float64 reference and the per-row kernels, page sizes 1 and 16, sliding window,
-soft-capping, sinks, and replay of a CUDA graph captured once over static buffers refilled per batch.
+soft-capping, sinks, and replay of a CUDA graph captured once over static buffers refilled per batch; each
+launch order (``mode``) against the per-row kernel and the fold path, eagerly and inside captured graphs
+(the runner's decode graphs included).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def _extend_groups() -> list[tuple[int, list[tuple[int, int]]]]:
     return [(1504, [((11 * i) % 40, 64) for i in range(12)] + [(3, 0), (0, 200)]), (512, [(0, 7), (9, 33)])]
 
 
-def _check(case: dict[str, Any], dtype: torch.dtype, per_row: bool, **kw: Any) -> None:
+def _check(case: dict[str, Any], dtype: torch.dtype, per_row: bool, **kw: Any) -> torch.Tensor:
     out = run_shared(case, SCALING, **kw)
     ref = ref_shared(case, SCALING, kw.get("sliding_window"), kw.get("softcap"), kw.get("sinks"))
     err = rel_err(out, ref)
@@ -58,6 +60,7 @@ def _check(case: dict[str, Any], dtype: torch.dtype, per_row: bool, **kw: Any) -
         diff = rel_err(out, base)
         print(f"rel diff vs per-row kernel {diff:.2e}")
         assert diff <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-5)
+    return out
 
 
 KERNEL_KW = [
@@ -96,6 +99,43 @@ def test_sinks(mode: str) -> None:
         _check(case, torch.bfloat16, per_row=False, **kw)
 
 
+MODES = ["merge", "overlap", "fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kw", KERNEL_KW[1:], ids=["psplit4", "merge", "window_softcap"])
+def test_decode_modes_llama_heads(dtype: torch.dtype, page: int, mode: str, kw: dict[str, Any]) -> None:
+    """Each launch order against the per-row kernel and the fold path (the default)."""
+    case = make_shared_case(_decode_groups(page), **HEADS, page_size=page, dtype=dtype, device="cuda",
+                            seed=page, alone=[(2100, 1), (7, 1)])
+    out = _check(case, dtype, per_row=True, mode=mode, **kw)
+    fold = run_shared(case, SCALING, **kw)
+    assert rel_err(out, fold) <= (REL_TOL_BF16 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_modes_with_sinks_and_extend(mode: str) -> None:
+    sinks = torch.randn(32, generator=torch.Generator().manual_seed(1)).cuda() * 3.0
+    for groups in (_decode_groups(16), _extend_groups()):
+        case = make_shared_case(groups, **HEADS, page_size=16, dtype=torch.bfloat16, device="cuda", seed=7)
+        _check(case, torch.bfloat16, per_row=False, sinks=sinks, num_prefix_splits=3, sliding_window=700,
+               mode=mode)
+
+
+def test_overlap_eager_calls_agree_while_memory_is_reused() -> None:
+    """The side stream reads tensors the caller's stream allocated and frees: calls with allocations in
+    between (which reuse freed blocks at once) give the same result bit for bit."""
+    case = make_shared_case(_decode_groups(16), **HEADS, page_size=16, dtype=torch.bfloat16, device="cuda")
+    base = run_shared(case, SCALING, num_prefix_splits=4, mode="overlap").clone()
+    for i in range(20):
+        junk = torch.full((1 << (14 + i % 6),), float("nan"), device="cuda")  # fills freed blocks
+        out = run_shared(case, SCALING, num_prefix_splits=4, mode="overlap")
+        del junk
+        assert torch.equal(out, base)
+
+
 def test_membership_does_not_change_a_rows_result() -> None:
     case = make_shared_case(_decode_groups(16)[:1], **HEADS, page_size=16, dtype=torch.bfloat16,
                             device="cuda")
@@ -105,7 +145,8 @@ def test_membership_does_not_change_a_rows_result() -> None:
         assert torch.equal(out, base[rows])
 
 
-def test_cuda_graph_replays_refilled_buffers() -> None:
+@pytest.mark.parametrize("mode", ["fold", *MODES])
+def test_cuda_graph_replays_refilled_buffers(mode: str) -> None:
     """One capture over static buffers; later batches (other groups, fewer rows) only refill them."""
     from hf_radix.kernels.triton_shared_prefix import shared_prefix_attention
 
@@ -119,7 +160,7 @@ def test_cuda_graph_replays_refilled_buffers() -> None:
 
     def step() -> None:
         shared_prefix_attention(q, case["k_cache"], case["v_cache"], slots, buffers, SCALING,
-                                num_prefix_splits=4, out=out)
+                                num_prefix_splits=4, out=out, mode=mode)
 
     def fill(sub: dict[str, Any]) -> None:
         buffers.load(case_plan(sub, prefix_parts=4))
@@ -163,15 +204,22 @@ def _force_shared(planner) -> None:
     planner.cost = dataclasses.replace(planner.cost, keep_all=True)
 
 
-@pytest.mark.parametrize("cuda_graph", [True, False])
-@pytest.mark.parametrize("arch,page_size", [("llama", 1), ("gemma2", 16)])
-def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, cuda_graph: bool) -> None:
+@pytest.mark.parametrize(
+    "arch,page_size,cuda_graph,mode",
+    [("llama", 1, True, "fold"), ("llama", 1, False, "fold"), ("gemma2", 16, True, "fold"),
+     ("gemma2", 16, False, "fold"), ("llama", 1, True, "overlap"), ("gemma2", 16, True, "fused"),
+     ("llama", 16, False, "overlap"), ("gemma2", 1, True, "merge")],
+)
+def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, cuda_graph: bool, mode: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Groups of rows behind two system prompts, rows joining and finishing: HF's greedy tokens, with
-    shared-prefix decode steps replayed from graphs (or eager), several plans."""
+    shared-prefix decode steps replayed from graphs (or eager), several plans, in each launch order."""
     from conftest import random_ids
 
-    from hf_radix import RadixBatchRunner, SamplingParams
+    from hf_radix import RadixBatchRunner, SamplingParams, shared_decode
     from hf_radix.tiny import tiny_model
+
+    monkeypatch.setattr(shared_decode, "DECODE_MODE", mode)
 
     model = tiny_model(arch).cuda()
     runner = RadixBatchRunner(model, page_size=page_size, max_total_tokens=8192, attn_backend="triton",

@@ -160,7 +160,8 @@ def _merge_splits_kernel(
         denom += tl.exp2(sink - m)
     o_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + head * stride_mh + offs_s[:, None] * stride_ms
               + offs_d[None, :])
-    parts = tl.load(o_ptrs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    seen = s_mask & (lse != float("-inf"))  # a part that saw no key has weight 0: its values are not read
+    parts = tl.load(o_ptrs, mask=seen[:, None] & d_mask[None, :], other=0.0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(Out + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
              mask=d_mask)

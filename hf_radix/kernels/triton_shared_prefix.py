@@ -13,9 +13,15 @@ once per row. A batch is described by two tile tables built on the host (:mod:`h
   sink) into its own result and writes the final output; with several, every part goes to the split-KV
   merge kernel shared with the per-row kernels (parts of queries without a shared prefix are emptied).
 
+The launch order is a ``mode`` (`MODES`, equal results): the prefix launch, then the suffix launch folding
+its parts in ("fold"), or writing its own part for the merge kernel ("merge"); that, with the prefix launch
+on a side stream beside the suffix launch ("overlap"), or with both in one grid ("fused"), so that the few
+long prefix programs do not leave the GPU underfilled while the suffix programs wait for them.
+
 A tile row of the table is ``(kv_start, kv_pos0, kv_len, q_start, q_len)``: keys ``j < kv_len`` live at
 slots ``slots[kv_start + j]`` and have absolute positions ``kv_pos0 + j``; the queries are the token
-indices ``queries[q_start : q_start + q_len]`` (rows of ``q``), at absolute positions ``query_pos[token]``.
+indices (rows of ``q``) ``prefix_queries[q_start : q_start + q_len]`` of a prefix tile, the consecutive
+tokens ``q_start .. q_start + q_len - 1`` of a suffix tile, at absolute positions ``query_pos[token]``.
 Masks are by absolute position (causal, and Hugging Face sliding windows: ``p`` sees ``k`` iff ``k <= p``
 and ``p - k < window``), so a window shorter than the prefix reads only the window. Tables are padded with
 ``q_len == 0`` rows (no work), so a batch of any shape up to the buffers' capacity runs in one static grid
@@ -53,7 +59,9 @@ from .triton_attention_common import (
 )
 from .triton_decode import _decode_config
 
-__all__ = ["shared_prefix_attention", "tile_config"]
+__all__ = ["MODES", "shared_prefix_attention", "tile_config"]
+
+MODES = ("fold", "merge", "overlap", "fused")  # launch orders of shared_prefix_attention (equal results)
 
 _SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
@@ -66,8 +74,140 @@ _CFG_OVERRIDE: dict[int, dict[str, int]] = {}
 # --------------------------------------------------------------------------------------------------------
 
 
-# split counts, part offsets and the partial-result strides vary with the batch: not specialized on
-@triton.jit(do_not_specialize=["window", "part0", "num_prev", "stride_lt", "stride_lh"])
+@triton.jit
+def _tile_program(
+    tile, kvh, split, num_splits,
+    Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
+    qk_scale, cap_scale, window, part0, num_prev,
+    stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
+    IS_PREFIX: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # One program: split `split` of `num_splits` of tile `tile` of the table, KV head `kvh`. M rows are
+    # (query, head) pairs: query m // GROUP of the tile, query head kvh * GROUP + m % GROUP, so each K/V
+    # tile is loaded once for all of them. A prefix program (IS_PREFIX; part0 == num_prev == 0) splits each
+    # prefix into the tables' split count (read on the device, at most the grid's: one captured graph
+    # serves every count); programs past the count do nothing. Parts [0, num_prev) of each query are the
+    # prefix programs' slots, the first `prefix_parts` of them their results (valid where QShared != 0):
+    # FINAL folds those in and writes the output; otherwise split 0 of a suffix tile marks the others
+    # empty (log-sum-exp -inf: the merge kernel skips their values), so the merge kernel takes every part.
+    prefix_parts = tl.minimum(tl.load(PrefixSplits), num_prev)
+    if IS_PREFIX:
+        num_splits = tl.minimum(tl.load(PrefixSplits), num_splits)
+    meta = Tiles + tile * 5
+    q_len = tl.load(meta + 4)
+    if (q_len > 0) & (split < num_splits):
+        kv_start = tl.load(meta).to(tl.int64)
+        pos0 = tl.load(meta + 1)
+        kv_len = tl.load(meta + 2)
+        q_start = tl.load(meta + 3)
+        EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
+        # One query a tile (decode): the range's end bounds its keys, no causal mask needed.
+        CAUSAL: tl.constexpr = TILE_Q > 1
+
+        offs_m = tl.arange(0, BLOCK_M)
+        qi = offs_m // GROUP
+        m_mask = (qi < q_len) & (qi < TILE_Q)
+        heads = kvh * GROUP + offs_m % GROUP
+        if CAUSAL:
+            if IS_PREFIX:
+                tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
+            else:  # a suffix tile's queries are consecutive tokens
+                tok = (q_start + qi).to(tl.int64)
+            q_pos = tl.load(QPos + tok, mask=m_mask, other=0)
+            shared = tl.load(QShared + tok, mask=m_mask, other=0)
+            row = tok[:, None]  # the M rows' token, to index 2-D tiles by
+            rows_pos = q_pos
+        else:  # the M rows' token and position are scalars, as in the per-row decode kernel
+            tok = tl.load(Queries + q_start).to(tl.int64) if IS_PREFIX else q_start.to(tl.int64)
+            q_pos = tl.load(QPos + tok)
+            shared = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.load(QShared + tok)
+            row = tok
+            rows_pos = tl.where(m_mask, q_pos, 0)  # for the window mask
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        offs_n = tl.arange(0, BLOCK_N)
+        d_mask = offs_d < HEAD_DIM
+        dv_mask = offs_dv < HEAD_DIM_V
+
+        # Keys any query of the tile sees: [lo, hi); keys every query sees (no mask needed): [lo, safe_hi).
+        # Queries at or past the range's end (all of a prefix tile's) see up to its end, and a window's
+        # start within it from the end's position: so a prefix tile's range, and its split into chunks, do
+        # not depend on which rows share it.
+        max_pos = tl.max(tl.where(m_mask, q_pos, -1), 0)
+        min_pos = tl.min(tl.where(m_mask, q_pos, 2147483647), 0)
+        hi = tl.minimum(kv_len, max_pos - pos0 + 1)
+        if USE_WINDOW:
+            lo = tl.maximum(tl.minimum(min_pos, pos0 + kv_len) - window + 1 - pos0, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+            safe_hi = lo
+        else:
+            lo = kv_len * 0
+            safe_hi = tl.minimum(kv_len, min_pos - pos0 + 1)
+        span = tl.maximum(hi - lo, 0)
+        split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
+        c_lo = lo + split * split_len
+        c_hi = tl.minimum(c_lo + split_len, hi)
+        full = c_lo + tl.maximum(tl.minimum(c_hi, safe_hi) - c_lo, 0) // BLOCK_N * BLOCK_N
+
+        q_ptrs = Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: no (-inf) - (-inf)
+        if FINAL:  # the prefix parts first: fewer registers live than after the loops
+            mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
+            mid_o = Mid_o + row * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
+            prev = m_mask & (shared != 0)
+            for part in range(0, prefix_parts):
+                lse_p = tl.load(mid_lse + part, mask=prev, other=float("-inf"))
+                o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & dv_mask[None, :], other=0.0)
+                m_new = tl.maximum(m_i, lse_p)
+                alpha = tl.exp2(m_i - m_new)
+                w = tl.exp2(lse_p - m_new)
+                acc = acc * alpha[:, None] + o_p * w[:, None]
+                l_i = l_i * alpha + w
+                m_i = m_new
+        kv_idx_ptr = Slots + kv_start
+        acc, l_i, m_i = _paged_kv_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, c_lo, full, pos0, q_pos,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N,
+            DOT_PREC)
+        acc, l_i, m_i = _paged_kv_loop(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, c_hi, pos0, rows_pos,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, CAUSAL, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N,
+            DOT_PREC)
+
+        st_mask = m_mask[:, None] & dv_mask[None, :]
+        if FINAL:
+            out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
+            o_ptrs = Out + row * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
+            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
+        else:
+            mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
+            mid_o = Mid_o + row * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
+            out, lse = _partial_rows(acc, l_i, m_i)
+            tl.store(mid_o + (part0 + split) * stride_ms, out, mask=st_mask)
+            tl.store(mid_lse + part0 + split, lse, mask=m_mask)
+            if split == 0:
+                alone = m_mask & (shared == 0)
+                for part in range(0, num_prev):
+                    empty = alone | (m_mask & ((shared * 0 + part) >= prefix_parts))
+                    tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"),
+                             mask=empty)
+
+
+# split counts, part offsets, tile counts and the partial-result strides vary with the batch: not
+# specialized on (no recompiles)
+_VARYING = ["window", "part0", "num_prev", "stride_lt", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _shared_prefix_tile_kernel(
     Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
     qk_scale, cap_scale, window, part0, num_prev,
@@ -78,109 +218,59 @@ def _shared_prefix_tile_kernel(
     USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
     IS_PREFIX: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Grid (tiles, kv_heads, splits). M rows are (query, head) pairs: query m // GROUP of the tile, query
-    # head kvh * GROUP + m % GROUP, so each K/V tile is loaded once for all of them. Tiles of one group are
-    # consecutive in the table and in launch order, so a group's further tiles find its prefix in L2.
-    # A prefix launch (IS_PREFIX; part0 == num_prev == 0) splits each prefix into the tables' split count
-    # (read on the device, at most the grid's: one captured graph serves every count); its programs past
-    # the count do nothing. Parts [0, num_prev) of each query are the prefix launch's slots, the first
-    # `prefix_parts` of them its results (valid where QShared != 0): FINAL folds those in and writes the
-    # output; otherwise split 0 of a suffix launch empties the others, so the merge kernel takes every part.
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_splits = tl.num_programs(2)
-    prefix_parts = tl.minimum(tl.load(PrefixSplits), num_prev)
-    if IS_PREFIX:
-        num_splits = tl.minimum(tl.load(PrefixSplits), num_splits)
-        if split >= num_splits:
-            return
-    meta = Tiles + tile * 5
-    q_len = tl.load(meta + 4)
-    if q_len == 0:
-        return
-    kv_start = tl.load(meta).to(tl.int64)
-    pos0 = tl.load(meta + 1)
-    kv_len = tl.load(meta + 2)
-    q_start = tl.load(meta + 3)
-    EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
+    # Grid (tiles, kv_heads, splits). Tiles of one group are consecutive in the table and in launch order,
+    # so a group's further tiles find its prefix in L2.
+    _tile_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
+        Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
+        qk_scale, cap_scale, window, part0, num_prev,
+        stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+        stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+        GROUP, TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, USE_WINDOW, SOFTCAP,
+        HAS_SINKS, FINAL, IS_PREFIX, DOT_PREC)
 
-    offs_m = tl.arange(0, BLOCK_M)
-    qi = offs_m // GROUP
-    m_mask = (qi < q_len) & (qi < TILE_Q)
-    heads = kvh * GROUP + offs_m % GROUP
-    tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
-    q_pos = tl.load(QPos + tok, mask=m_mask, other=0)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_n = tl.arange(0, BLOCK_N)
-    d_mask = offs_d < HEAD_DIM
-    dv_mask = offs_dv < HEAD_DIM_V
 
-    # Keys any query of the tile sees: [lo, hi); keys every query sees (no mask needed): [lo, safe_hi).
-    # Queries at or past the range's end (all of a prefix tile's) see up to its end, and a window's start
-    # within it from the end's position: so a prefix tile's range, and its split into chunks, do not
-    # depend on which rows share it.
-    max_pos = tl.max(tl.where(m_mask, q_pos, -1), 0)
-    min_pos = tl.min(tl.where(m_mask, q_pos, 2147483647), 0)
-    hi = tl.minimum(kv_len, max_pos - pos0 + 1)
-    if USE_WINDOW:
-        lo = tl.maximum(tl.minimum(min_pos, pos0 + kv_len) - window + 1 - pos0, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        safe_hi = lo
+@triton.jit(do_not_specialize=[*_VARYING, "num_prefix_tiles", "num_suffix_tiles", "prefix_splits",
+                               "suffix_splits"])
+def _shared_prefix_fused_kernel(
+    Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, SuffixTiles, QPos, QShared,
+    PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
+    qk_scale, cap_scale, window, part0, num_prev, num_prefix_tiles, num_suffix_tiles, prefix_splits,
+    suffix_splits,
+    stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PREFIX_TILE_Q: tl.constexpr,
+    SUFFIX_TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PREFIX_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr,
+    PREFIX_BLOCK_N: tl.constexpr, SUFFIX_BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # One 1-D grid: the prefix launch's programs (in its (tiles, kv_heads, splits) order) first, then the
+    # suffix launch's (writing partial results, part0 == num_prev), so both run at once, the long prefix
+    # programs dispatched first; the merge kernel combines the parts afterwards.
+    pid = tl.program_id(0)
+    prefix_programs = num_prefix_tiles * NUM_KV_HEADS * prefix_splits
+    if pid < prefix_programs:
+        rest = pid // num_prefix_tiles
+        _tile_program(
+            pid % num_prefix_tiles, rest % NUM_KV_HEADS, rest // NUM_KV_HEADS, prefix_splits,
+            Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
+            Mid_o, Mid_lse, qk_scale, cap_scale, window, 0, 0,
+            stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+            stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+            GROUP, PREFIX_TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PREFIX_BLOCK_M, PREFIX_BLOCK_N,
+            USE_WINDOW, SOFTCAP, HAS_SINKS, False, True, DOT_PREC)
     else:
-        lo = kv_len * 0
-        safe_hi = tl.minimum(kv_len, min_pos - pos0 + 1)
-    span = tl.maximum(hi - lo, 0)
-    split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-    c_lo = lo + split * split_len
-    c_hi = tl.minimum(c_lo + split_len, hi)
-    full = c_lo + tl.maximum(tl.minimum(c_hi, safe_hi) - c_lo, 0) // BLOCK_N * BLOCK_N
-
-    q_ptrs = Q + tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: no (-inf) - (-inf)
-    kv_idx_ptr = Slots + kv_start
-    acc, l_i, m_i = _paged_kv_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, c_lo, full, pos0, q_pos,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    acc, l_i, m_i = _paged_kv_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, c_hi, pos0, q_pos,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-
-    st_mask = m_mask[:, None] & dv_mask[None, :]
-    mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
-    mid_o = Mid_o + tok[:, None] * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
-    shared = tl.load(QShared + tok, mask=m_mask, other=0)
-    if FINAL:
-        prev = m_mask & (shared != 0)
-        for part in range(0, prefix_parts):
-            lse_p = tl.load(mid_lse + part, mask=prev, other=float("-inf"))
-            o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & dv_mask[None, :], other=0.0)
-            m_new = tl.maximum(m_i, lse_p)
-            alpha = tl.exp2(m_i - m_new)
-            w = tl.exp2(lse_p - m_new)
-            acc = acc * alpha[:, None] + o_p * w[:, None]
-            l_i = l_i * alpha + w
-            m_i = m_new
-        out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
-        o_ptrs = Out + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
-    else:
-        out, lse = _partial_rows(acc, l_i, m_i)
-        tl.store(mid_o + (part0 + split) * stride_ms, out, mask=st_mask)
-        tl.store(mid_lse + part0 + split, lse, mask=m_mask)
-        if split == 0:
-            alone = m_mask & (shared == 0)
-            for part in range(0, num_prev):
-                empty = alone | (m_mask & ((shared * 0 + part) >= prefix_parts))
-                tl.store(mid_o + part * stride_ms, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32),
-                         mask=empty[:, None] & dv_mask[None, :])
-                tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"), mask=empty)
+        pid -= prefix_programs
+        rest = pid // num_suffix_tiles
+        _tile_program(
+            pid % num_suffix_tiles, rest % NUM_KV_HEADS, rest // NUM_KV_HEADS, suffix_splits,
+            Q, K_cache, V_cache, Slots, SuffixTiles, PrefixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
+            Mid_o, Mid_lse, qk_scale, cap_scale, window, part0, num_prev,
+            stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
+            stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+            GROUP, SUFFIX_TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SUFFIX_BLOCK_M, SUFFIX_BLOCK_N,
+            USE_WINDOW, SOFTCAP, HAS_SINKS, False, False, DOT_PREC)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -192,7 +282,8 @@ def _block_m(tile_q: int, group: int) -> int:
     return max(16, triton.next_power_of_2(tile_q * group))
 
 
-def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                beside: bool = False) -> dict[str, int]:
     """Launch config of the tile kernel for ``block_m`` (query, head) rows per program.
 
     Narrow tiles (one row's query heads: decode suffix tiles, ``block_m`` 16) are bandwidth-bound like the
@@ -201,6 +292,9 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128 tiles: BLOCK_N 64 with 8
     warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages (64 KB of shared memory at
     head_dim 128 in bf16; at head_dim 256, 2 stages and 128 KB, as the extend kernel's tuned d256 config).
+    ``beside``: the launch runs beside the suffix launch (modes "overlap", "fused"); wide tiles then cap
+    their registers at 160 a thread (231 uncapped on sm_90 at head_dim 128, no spill at 160) so that suffix
+    programs fit on an SM beside a prefix program.
     """
     if block_m in _CFG_OVERRIDE:
         return dict(_CFG_OVERRIDE[block_m])
@@ -209,7 +303,8 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     if triton.next_power_of_2(head_dim) <= 128:
-        return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        cfg = {"BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+        return {**cfg, "maxnreg": 160} if beside else cfg
     return {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
@@ -218,11 +313,152 @@ def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:
         t = getattr(tiles, name)
         if t.dim() != 2 or t.shape[1] != TILE_FIELDS or t.dtype != torch.int32 or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous int32 [N, {TILE_FIELDS}] tensor")
-    for name in ("prefix_queries", "suffix_queries", "query_pos", "query_shared"):
+    for name in ("prefix_queries", "query_pos", "query_shared"):
         if getattr(tiles, name).dtype != torch.int32:
             raise ValueError(f"{name} must be int32")
     if tiles.query_pos.shape[0] < num_tokens or tiles.query_shared.shape[0] < num_tokens:
         raise ValueError(f"query_pos / query_shared must cover the {num_tokens} query tokens")
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a device's prefix launches run on beside the suffix launch (``mode="overlap"``); of high
+    priority, so that the SMs take the prefix programs (the longest) first."""
+    stream = _SIDE_STREAMS.get(device)
+    if stream is None:
+        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return stream
+
+
+class _Launches:
+    """The launches of one shared-prefix attention call, with its partial results allocated up front
+    (before any stream fork, on the caller's stream): the prefix tiles, the suffix tiles (folding the
+    prefix parts in and writing the output when ``final``), the merge of every part (when not ``final``),
+    or both tile kinds in one grid (``fused``). Benchmarks time them one by one."""
+
+    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 tiles: SharedPrefixBuffers, scaling: float, num_prefix_splits: int, num_suffix_splits: int,
+                 sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+                 out: torch.Tensor | None, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        hq, self.hkv, d, dv = _check_common(q, k_cache, v_cache)
+        num_tokens = q.shape[0]
+        _check_tiles(tiles, num_tokens)
+        if num_prefix_splits < 1 or num_suffix_splits < 1:
+            raise ValueError("split counts must be >= 1")
+        self.q = _last_dim_contig(q)
+        self.out = _check_out(out, self.q, dv)
+        self.sinks, self.has_sinks = _sinks_log2(sinks, hq, self.out)
+        self.empty = num_tokens == 0 or tiles.suffix_tiles.shape[0] == 0
+        self.tiles, self.k_cache, self.v_cache, self.slots = tiles, k_cache, v_cache, slots
+        self.group = hq // self.hkv
+        self.prefix_parts = num_prefix_splits if tiles.prefix_tiles.shape[0] > 0 else 0
+        self.prefix_splits, self.suffix_splits = num_prefix_splits, num_suffix_splits
+        self.final = num_suffix_splits == 1 and (mode == "fold" or not self.prefix_parts)
+        self.mode = mode if self.prefix_parts else "fold"
+        self.num_parts = self.prefix_parts + (0 if self.final else num_suffix_splits)
+        if self.num_parts and not self.empty:
+            f32 = dict(dtype=torch.float32, device=q.device)
+            self.mid_o = torch.empty((num_tokens, hq, self.num_parts, dv), **f32)
+            self.mid_lse = torch.empty((num_tokens, hq, self.num_parts), **f32)
+            m, lse = self.mid_o, self.mid_lse
+            self.mstrides = (m.stride(0), m.stride(1), m.stride(2), lse.stride(0), lse.stride(1))
+        else:
+            self.mid_o, self.mid_lse, self.mstrides = self.out, self.out, (0, 0, 0, 0, 0)  # placeholders
+        self.qk_scale, self.cap_scale, self.use_cap = _scales(scaling, softcap)
+        self.window, self.use_window = _window(sliding_window)
+        self.d, self.dv = d, dv
+
+    def _common(self) -> tuple[tuple, tuple, dict[str, Any]]:
+        """(leading pointers, trailing strides, constexprs) the tile kernels share."""
+        q, kc, vc, out = self.q, self.k_cache, self.v_cache, self.out
+        strides = (q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+                   out.stride(0), out.stride(1), *self.mstrides)
+        consts = dict(HEAD_DIM=self.d, BLOCK_D=triton.next_power_of_2(self.d), HEAD_DIM_V=self.dv,
+                      BLOCK_DV=triton.next_power_of_2(self.dv), USE_WINDOW=self.use_window,
+                      SOFTCAP=self.use_cap, HAS_SINKS=self.has_sinks, DOT_PREC=_dot_prec(q.dtype))
+        return (q, kc, vc, self.slots), strides, consts
+
+    def _cfg(self, block_m: int) -> dict[str, int]:
+        beside = self.mode in ("overlap", "fused")
+        return tile_config(block_m, max(self.d, self.dv), self.q.dtype, self.q.device, beside)
+
+    def _tiles(self, is_prefix: bool) -> None:
+        t = self.tiles
+        table, tile_q = (t.prefix_tiles, t.prefix_tile_q) if is_prefix else (t.suffix_tiles, t.suffix_tile_q)
+        splits = self.prefix_splits if is_prefix else self.suffix_splits
+        part0 = 0 if is_prefix else self.prefix_parts
+        head, strides, consts = self._common()
+        # the suffix programs do not read the query list (their tokens are consecutive)
+        args = (*head, table, t.prefix_queries, t.query_pos, t.query_shared, t.prefix_splits, self.sinks,
+                self.out, self.mid_o, self.mid_lse, self.qk_scale, self.cap_scale, self.window, part0, part0,
+                *strides)
+        block_m = _block_m(tile_q, self.group)
+        kwargs = dict(consts, GROUP=self.group, TILE_Q=tile_q, BLOCK_M=block_m,
+                      FINAL=self.final and not is_prefix, IS_PREFIX=is_prefix)
+        _launch(f"shared_prefix_m{block_m}", _shared_prefix_tile_kernel, (table.shape[0], self.hkv, splits),
+                self._cfg(block_m), _SAFE_CFG, self.d, self.q.dtype, args, kwargs)
+
+    def prefix(self) -> None:
+        """The prefix tiles' launch: every split's partial result of each shared query."""
+        if self.prefix_parts:
+            self._tiles(True)
+
+    def suffix(self) -> None:
+        """The suffix tiles' launch: the output (``final``) or the suffix's partial results."""
+        self._tiles(False)
+
+    def merge(self) -> None:
+        """Every part of each query into the output (no-op when ``final``)."""
+        if not self.final:
+            _merge_splits(self.mid_o, self.mid_lse, self.out, self.num_parts, self.sinks, self.has_sinks)
+
+    def fused(self) -> None:
+        """Prefix and suffix tiles in one grid (the suffix's results partial)."""
+        t = self.tiles
+        head, strides, consts = self._common()
+        n_pre, n_suf = t.prefix_tiles.shape[0], t.suffix_tiles.shape[0]
+        args = (*head, t.prefix_tiles, t.prefix_queries, t.suffix_tiles, t.query_pos,
+                t.query_shared, t.prefix_splits, self.sinks, self.out, self.mid_o, self.mid_lse,
+                self.qk_scale, self.cap_scale, self.window, self.prefix_parts, self.prefix_parts, n_pre,
+                n_suf, self.prefix_splits, self.suffix_splits, *strides)
+        pre_m, suf_m = _block_m(t.prefix_tile_q, self.group), _block_m(t.suffix_tile_q, self.group)
+        pre_cfg, suf_cfg = self._cfg(pre_m), self._cfg(suf_m)
+        kwargs = dict(consts, GROUP=self.group, NUM_KV_HEADS=self.hkv, PREFIX_TILE_Q=t.prefix_tile_q,
+                      SUFFIX_TILE_Q=t.suffix_tile_q, PREFIX_BLOCK_M=pre_m, SUFFIX_BLOCK_M=suf_m)
+        cfg = {"PREFIX_BLOCK_N": pre_cfg["BLOCK_N"], "SUFFIX_BLOCK_N": suf_cfg["BLOCK_N"],
+               "num_warps": max(pre_cfg["num_warps"], suf_cfg["num_warps"]),
+               "num_stages": min(pre_cfg["num_stages"], suf_cfg["num_stages"])}
+        if "maxnreg" in pre_cfg:  # every program gets the registers of a prefix one: two an SM
+            cfg["maxnreg"] = min(pre_cfg["maxnreg"], 128)
+        safe = {"PREFIX_BLOCK_N": 32, "SUFFIX_BLOCK_N": 32, "num_warps": cfg["num_warps"], "num_stages": 2}
+        grid = ((n_pre * self.prefix_splits + n_suf * self.suffix_splits) * self.hkv,)
+        _launch(f"shared_prefix_fused_m{pre_m}_m{suf_m}", _shared_prefix_fused_kernel, grid, cfg, safe,
+                self.d, self.q.dtype, args, kwargs)
+
+    def run(self) -> torch.Tensor:
+        if self.empty:
+            return self.out
+        if self.mode == "fused":
+            self.fused()
+        elif self.mode == "overlap" and self.q.device.type == "cuda":
+            # Fork/join (also inside CUDA-graph capture): the prefix launch on a side stream beside the
+            # suffix launch. Every tensor the side stream reads was allocated on the caller's stream, which
+            # waits for the side stream before anything after this call can reuse their memory.
+            main, side = torch.cuda.current_stream(self.q.device), _side_stream(self.q.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self.prefix()
+            self.suffix()
+            main.wait_stream(side)
+        else:  # "fold", "merge" (and "overlap" off CUDA: the two launches write disjoint parts)
+            self.prefix()
+            self.suffix()
+        self.merge()
+        return self.out
 
 
 def shared_prefix_attention(
@@ -239,6 +475,7 @@ def shared_prefix_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    mode: str = "fold",
 ) -> torch.Tensor:
     """Attention of the query tokens ``q`` ``[T, Hq, D]`` over the pool, shared prefixes read once per tile.
 
@@ -250,57 +487,11 @@ def shared_prefix_attention(
     the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range);
     prefixes are split into the smaller of ``num_prefix_splits`` and the count the tables hold on the device
     (``tiles.prefix_splits``, set by their ``load``), so a captured graph launched with the largest count
-    replays batches of any.
+    replays batches of any. ``mode`` (one of `MODES`; equal results) orders the launches: ``"fold"`` the
+    prefix launch, then the suffix launch folding its parts in (one suffix split); ``"merge"`` the same,
+    every part merged by the merge kernel; ``"overlap"`` the prefix launch on a side stream beside the
+    suffix launch (on CUDA), then the merge; ``"fused"`` both in one launch, then the merge.
     Returns ``[T, Hq, Dv]`` in ``q``'s dtype; rows of tokens outside every suffix tile are undefined.
     """
-    hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
-    num_tokens = q.shape[0]
-    _check_tiles(tiles, num_tokens)
-    if num_prefix_splits < 1 or num_suffix_splits < 1:
-        raise ValueError("split counts must be >= 1")
-    q = _last_dim_contig(q)
-    out = _check_out(out, q, dv)
-    sinks, has_sinks = _sinks_log2(sinks, hq, out)
-    if num_tokens == 0 or tiles.suffix_tiles.shape[0] == 0:
-        return out
-
-    group = hq // hkv
-    prefix_parts = num_prefix_splits if tiles.prefix_tiles.shape[0] > 0 else 0
-    final = num_suffix_splits == 1
-    num_parts = prefix_parts + (0 if final else num_suffix_splits)
-    if num_parts:
-        mid_o = torch.empty((num_tokens, hq, num_parts, dv), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((num_tokens, hq, num_parts), dtype=torch.float32, device=q.device)
-        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
-    else:
-        mid_o, mid_lse, mstrides = out, out, (0, 0, 0, 0, 0)  # unused placeholders
-    qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
-    window, use_window = _window(sliding_window)
-
-    def launch(table: torch.Tensor, queries: torch.Tensor, tile_q: int, splits: int, part0: int,
-               num_prev: int, is_final: bool, is_prefix: bool) -> None:
-        block_m = _block_m(tile_q, group)
-        args = (
-            q, k_cache, v_cache, slots, table, queries, tiles.query_pos, tiles.query_shared,
-            tiles.prefix_splits, sinks, out,
-            mid_o, mid_lse, qk_scale, cap_scale, window, part0, num_prev,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-            v_cache.stride(1), out.stride(0), out.stride(1), *mstrides,
-        )
-        kwargs: dict[str, Any] = dict(
-            GROUP=group, TILE_Q=tile_q, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), HEAD_DIM_V=dv,
-            BLOCK_DV=triton.next_power_of_2(dv), BLOCK_M=block_m, USE_WINDOW=use_window, SOFTCAP=use_cap,
-            HAS_SINKS=has_sinks, FINAL=is_final, IS_PREFIX=is_prefix, DOT_PREC=_dot_prec(q.dtype),
-        )
-        cfg = tile_config(block_m, max(d, dv), q.dtype, q.device)
-        _launch(f"shared_prefix_m{block_m}", _shared_prefix_tile_kernel, (table.shape[0], hkv, splits), cfg,
-                _SAFE_CFG, d, q.dtype, args, kwargs)
-
-    if prefix_parts:
-        launch(tiles.prefix_tiles, tiles.prefix_queries, tiles.prefix_tile_q, num_prefix_splits, 0, 0, False,
-               True)
-    launch(tiles.suffix_tiles, tiles.suffix_queries, tiles.suffix_tile_q, num_suffix_splits, prefix_parts,
-           prefix_parts, final, False)
-    if not final:
-        _merge_splits(mid_o, mid_lse, out, num_parts, sinks, has_sinks)
-    return out
+    return _Launches(q, k_cache, v_cache, slots, tiles, scaling, num_prefix_splits, num_suffix_splits,
+                     sliding_window, softcap, sinks, out, mode).run()
