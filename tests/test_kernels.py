@@ -266,6 +266,9 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "decode_one_split_fp16": ("decode", dict(seq_lens=[40, 2], hq=2, hkv=1, d=16, dtype=torch.float16),
                               dict(num_kv_splits=1, max_kv_len=40)),
     "decode_many_splits": ("decode", dict(seq_lens=[20, 3], hq=2, hkv=2, d=16), dict(num_kv_splits=8)),
+    # rows enough that a merge program takes several heads (rows of one key: an empty split each)
+    "decode_merge_head_tiles": ("decode", dict(seq_lens=[1 + i % 5 for i in range(66)], hq=8, hkv=1, d=16,
+                                               sinks=True), dict(num_kv_splits=2)),
     # attention sinks (gpt-oss): in the direct epilogue and, once, in the merge of splits
     "extend_sinks": ("extend", dict(rows=[(21, 18), (0, 17), (5, 2)], hq=4, hkv=2, d=16, page_size=2,
                                     sinks=True), dict(sliding_window=9)),

@@ -79,7 +79,7 @@ def test_decode_kernels_compile_for_sm90(direct: bool):
     reduce = _compile(
         triton_attention_common._merge_splits_kernel,
         {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Sinks": "*fp32"},
-        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, HAS_SINKS=True), num_warps=4, num_stages=1,
+        dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, BLOCK_H=16, HAS_SINKS=True), num_warps=4, num_stages=1,
     )
     assert reduce.asm["cubin"]
 
