@@ -5,7 +5,8 @@ when they are allocated (or when a row's prefix is re-pointed at the tree's copy
 device table through row indices and lengths, never through re-uploaded contexts. Row 0 is reserved for
 padding: every position of it is the scratch slot, so padded rows of captured graphs write there.
 Each row also keeps, on the device, the next token it will compute (`next_token`): the runner writes the
-token it samples there, and the next step reads it without a round trip through the host.
+token it samples there, and the next step reads it without a round trip through the host. The padding
+row's is never written: 0, the id padded rows compute.
 
 Writes land in the host table at once; the device table receives them at the next `upload` (the step's
 metadata), in the same staged copy, so the writes of one step (new slots of every row, prefixes of new
@@ -14,10 +15,12 @@ rows, re-pointed duplicates) cost one copy and one scatter whatever their number
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from .staging import HostStaging
+from .staging import HostStaging, StaticBlock
 
 PADDING_ROW = 0
 _FIRST_ROWS = 16
@@ -126,19 +129,25 @@ class PageTable:
         self._pending = [(p // old) * width + p % old for p in self._pending]
         self.host, self.slots, self.width = host, slots, width
 
-    def upload(self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = ()) -> list[torch.Tensor]:
-        """`parts` (int64) and `narrow` (int32) on the device (one staged copy, `HostStaging.upload`), after
-        the device table received the pending writes.
+    def upload(
+        self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = (), *,
+        into: StaticBlock | None = None, into_parts: Sequence[np.ndarray] = (),
+        into_narrow: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
+        """`parts` (int64) and `narrow` (int32) on the device (one staged copy, `HostStaging.upload`; with
+        `into`, `into_parts` and `into_narrow` land in that static block), after the device table received
+        the pending writes.
 
         The values sent are read from the host table now, so a position written twice since the last
         upload carries its last value in every duplicate (the scatter's order cannot matter).
         """
+        static = {"into": into, "into_parts": into_parts, "into_narrow": into_narrow}
         if not self._pending:
-            return self.staging.upload(parts, narrow)
+            return self.staging.upload(parts, narrow, **static)
         flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
         values = self.host.reshape(-1)[flat]
-        position, *out = self.staging.upload([flat, *parts], [values, *narrow])
+        position, *out = self.staging.upload([flat, *parts], [values, *narrow], **static)
         self.slots.view(-1).index_copy_(0, position, out.pop(len(parts)))
         return out
 
