@@ -80,8 +80,11 @@ def static_buffer_numels(max_rows: int, max_tokens: int, kv_bound: int) -> dict[
 
 
 def _static_block_words(max_rows: int, max_tokens: int) -> int:
-    """int64 words of the static block: the largest shape's layout (every array 16-byte aligned)."""
-    return GraphInputs.layout(max_rows + 1, max_tokens, max_rows + 1).total
+    """int64 words of the static block: the largest shape's layout (every array 16-byte aligned), and room
+    behind it for the rest of a step's upload (page-table writes, row bases, ids' rows: a few numbers per
+    row and token), so that one copy sends it all."""
+    layout = GraphInputs.layout(max_rows + 1, max_tokens, max_rows + 1)
+    return layout.total + 4 * (max_rows + max_tokens) + 256
 
 
 def static_buffer_bytes(max_rows: int, max_tokens: int, kv_bound: int) -> int:

@@ -164,11 +164,11 @@ def _token_layout(step: StepRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
 
 
 def gather_contexts(
-    slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int,
+    flat_slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
-    the result lies in row `i`'s run (`lengths[i]` long) and reads `slots.view(-1)[bases[i] + k]`.
+    the result lies in row `i`'s run (`lengths[i]` long) and reads `flat_slots[bases[i] + k]`.
 
     With `bases[i] = rows[i] * width - indptr[i]` (`indptr` the runs' offsets) that is
     `slots[rows[i], :lengths[i]]` of every row. With `out` (int64, at least `total` long) the result is
@@ -177,8 +177,8 @@ def gather_contexts(
     if total == 0:
         return bases[:0] if out is None else out[:0]
     flat = torch.repeat_interleave(bases, lengths, output_size=total)
-    flat += torch.arange(total, device=slots.device)
-    gathered = slots.view(-1).index_select(0, flat)
+    flat += torch.arange(total, device=flat_slots.device)
+    gathered = flat_slots.index_select(0, flat)
     return gathered.long() if out is None else out[:total].copy_(gathered)
 
 
@@ -211,7 +211,8 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
     every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
     parts = [
         _EMPTY if every_id_from_table else step.input_ids, positions, table.host[token_rows, positions],
-        logits, from_table, token_rows[from_table], context_bases, prefix_bases,
+        logits, from_table, token_rows if every_id_from_table else token_rows[from_table], context_bases,
+        prefix_bases,
     ]
     uploaded = table.upload(parts, narrow_parts)  # one copy, with the page-table writes made since the last
     input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_d, prefix_d = uploaded[:8]
@@ -227,9 +228,9 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, context_d, seq32, context_total),
+        kv_indices=gather_contexts(table.flat_slots, context_d, seq32, context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, prefix_d, prefix32, prefix_total),
+        prefix_kv_indices=gather_contexts(table.flat_slots, prefix_d, prefix32, prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
@@ -274,12 +275,11 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
     lens = step.prefix_lens + step.new_lens if inputs.decode else step.prefix_lens
     indptr = _indptr(lens)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
-    every_id_from_table = len(from_table) == len(step.input_ids)
-    input_ids = _EMPTY if every_id_from_table else step.input_ids  # else gathered into the block
+    every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
+    input_ids = _EMPTY if every_id_from_table else step.input_ids  # (all read from the table below)
     static_parts = [input_ids, positions, table.host[token_rows, positions], logits]
-    parts = [step.rows * table.width - indptr[:-1], token_rows[from_table]]
-    if not every_id_from_table:
-        parts.append(from_table)
+    bases = step.rows * table.width - indptr[:-1]
+    parts = [bases, token_rows] if every_id_from_table else [bases, token_rows[from_table], from_table]
     bases, table_rows, *table_pos = table.upload(
         parts, into=inputs.block, into_parts=static_parts, into_narrow=[qo_indptr, lens, indptr]
     )
@@ -287,4 +287,4 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
         torch.index_select(table.next_token, 0, table_rows, out=inputs.input_ids)
     elif len(from_table):
         inputs.input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
-    gather_contexts(table.slots, bases, inputs.lens, int(indptr[-1]), out=inputs.kv)
+    gather_contexts(table.flat_slots, bases, inputs.lens, int(indptr[-1]), out=inputs.kv)

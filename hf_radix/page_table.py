@@ -59,6 +59,7 @@ class PageTable:
             self.next_token = torch.zeros(_FIRST_ROWS, dtype=torch.int64, device=self.device)
         self.host[PADDING_ROW] = scratch_slot
         self.slots[PADDING_ROW] = scratch_slot
+        self.flat_slots = self.slots.view(-1)  # the device table as one run (kept with `slots`)
         self._free_rows = list(range(_FIRST_ROWS - 1, PADDING_ROW, -1))  # a stack: lowest row on top
         self.staging = HostStaging(self.device)
         self._pending: list[np.ndarray] = []  # flat positions written on the host, not yet on the device
@@ -87,7 +88,7 @@ class PageTable:
             slots[:old] = self.slots
             next_token = torch.zeros(new, dtype=torch.int64, device=self.device)
             next_token[:old] = self.next_token
-        self.slots, self.next_token = slots, next_token
+        self.slots, self.next_token, self.flat_slots = slots, next_token, slots.view(-1)
         self._free_rows = list(range(new - 1, old - 1, -1)) + self._free_rows
 
     def close(self, row: int) -> None:
@@ -127,7 +128,7 @@ class PageTable:
             slots[:, :old] = self.slots
             slots[PADDING_ROW] = self.scratch_slot
         self._pending = [(p // old) * width + p % old for p in self._pending]
-        self.host, self.slots, self.width = host, slots, width
+        self.host, self.slots, self.width, self.flat_slots = host, slots, width, slots.view(-1)
 
     def upload(
         self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = (), *,
@@ -148,7 +149,7 @@ class PageTable:
         self._pending = []
         values = self.host.reshape(-1)[flat]
         position, *out = self.staging.upload([flat, *parts], [values, *narrow], **static)
-        self.slots.view(-1).index_copy_(0, position, out.pop(len(parts)))
+        self.flat_slots.index_copy_(0, position, out.pop(len(parts)))
         return out
 
     def flush(self) -> None:

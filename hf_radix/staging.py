@@ -62,13 +62,15 @@ class PackedLayout:
 
 
 class StaticBlock:
-    """A device region holding one `PackedLayout`'s arrays at fixed addresses (`views`): uploads that name
-    it copy their arrays of that layout straight there."""
+    """A device region holding one `PackedLayout`'s arrays at fixed addresses (`views`) at its start:
+    uploads that name it copy their arrays of that layout straight there, and the rest of the upload into
+    the room behind them when it fits (one copy)."""
 
     def __init__(self, layout: PackedLayout, block: torch.Tensor):
         if block.dtype != torch.int64 or block.numel() < layout.total:
             raise ValueError(f"a static block of {layout.total} int64s; got {block.numel()} {block.dtype}")
         self.layout = layout
+        self.block = block
         self.flat = block[: layout.total]
         self.views = layout.views(self.flat)
 
@@ -92,6 +94,7 @@ class HostStaging:
     def __init__(self, device: torch.device | str, ring: int = RING):
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor | None] = [None] * ring
+        self._hosts: list[np.ndarray | None] = [None] * ring  # the buffers' numpy views
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
         self.uploads = 0
@@ -105,9 +108,10 @@ class HostStaging:
         as one packed copy (the int32 values share the packed buffer's last words: no cast on the device).
         Every tensor starts `ALIGN_BYTES`-aligned.
 
-        With `into`, `into_parts` and `into_narrow` (of its layout's sizes, or shorter: the rest of an array
-        keeps its old values) are copied into that static block from the same pinned buffer first; the
-        returned tensors are those of `parts` and `narrow` alone.
+        With `into`, `into_parts` and `into_narrow` (of its layout's sizes, or shorter: the rest of such an
+        array is left undefined) land in that static block, from the same pinned buffer; the returned tensors
+        are those of `parts` and `narrow` alone, in the block's room behind the layout when they fit there
+        (one copy in all; valid until the next upload into the block) or sent beside it.
         """
         sizes, narrow_sizes = [len(p) for p in parts], [len(p) for p in narrow]
         offsets, wide = aligned_offsets(sizes, 8)
@@ -126,25 +130,26 @@ class HostStaging:
             if buffer is None or buffer.numel() < total:
                 size = max(total, 2 * (0 if buffer is None else buffer.numel()), 1024)
                 buffer = self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            host = buffer.numpy()
+                self._hosts[slot] = buffer.numpy()
+            host = self._hosts[slot]
+            source = buffer[:total]
         else:
             host = np.empty(total, dtype=np.int64)  # returned as is: never reused
+            source = torch.from_numpy(host)
         if into is not None:
             into.layout.pack(host, into_parts, into_narrow)
         _pack(host[start:], offsets, parts, wide, narrow_offsets, narrow)
+        if into is None:
+            packed = source.to(self.device, non_blocking=True)  # off CUDA: `source` itself
+        elif total <= into.block.numel():
+            packed = into.block[:total].copy_(source, non_blocking=True)[start:]
+        else:
+            into.flat.copy_(source[:start], non_blocking=True)
+            packed = source[start:].to(self.device, non_blocking=True)
         if cuda:
-            if into is not None:
-                into.flat.copy_(buffer[:start], non_blocking=True)
-            packed = buffer[start:total].to(self.device, non_blocking=True) if parts or narrow else None
             if event is None:
                 event = self._events[slot] = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # the stream the copies were queued on
-        else:
-            if into is not None:
-                into.flat.copy_(torch.from_numpy(host[:start]))
-            packed = torch.from_numpy(host[start:])
-        if not (parts or narrow):
-            return []
         out = aligned_views(packed, offsets, sizes)
         if narrow:
             out += aligned_views(packed[wide:].view(torch.int32), narrow_offsets, narrow_sizes)

@@ -20,7 +20,7 @@ from conftest import fresh_model, hf_greedy, random_ids
 from hf_radix import RadixBatchRunner, SamplingParams, cuda_graph
 from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.forward_batch import GraphInputs, build_forward_batch
-from hf_radix.staging import ALIGN_BYTES
+from hf_radix.staging import ALIGN_BYTES, HostStaging, PackedLayout, StaticBlock
 
 NEW = 7
 
@@ -105,6 +105,22 @@ def test_static_inputs_equal_the_eager_batch_as_the_batch_changes(arch: str, pag
         assert any(len(key) == 3 for key in decode._graphs)
 
 
+@pytest.mark.parametrize("room", [0, 40])
+def test_an_upload_into_a_static_block_fills_its_layout_and_returns_the_rest(room: int):
+    """The static arrays land at the layout's views (a shorter one fills its start); the other arrays come
+    back aligned, from the room behind the layout when they fit (one copy) or beside it."""
+    staging = HostStaging("cpu")
+    layout = PackedLayout([3, 2], [3])
+    block = StaticBlock(layout, torch.full((layout.total + room,), -1, dtype=torch.int64))
+    rest = staging.upload([np.arange(5), np.arange(2) + 7], [np.array([9, 8], dtype=np.int32)], into=block,
+                          into_parts=[np.array([4, 5, 6]), np.array([1])], into_narrow=[np.arange(3)])
+    assert [v.tolist() for v in block.views[::2]] == [[4, 5, 6], [0, 1, 2]] and int(block.views[1][0]) == 1
+    assert [t.tolist() for t in rest] == [list(range(5)), [7, 8], [9, 8]]
+    assert all(t.data_ptr() % ALIGN_BYTES == 0 for t in rest)
+    in_block = rest[0].data_ptr() - block.block.data_ptr()
+    assert (0 < in_block < block.block.numel() * 8) == bool(room) and staging.uploads == 1
+
+
 def test_each_shape_lays_out_its_inputs_aligned_in_one_block():
     block, kv = torch.zeros(GraphInputs.layout(9, 32, 9).total, dtype=torch.int64), torch.zeros(64)
     for rows, tokens, logits in [(1, 1, 1), (3, 3, 3), (5, 17, 4), (9, 32, 9)]:
@@ -124,8 +140,9 @@ def test_each_shape_lays_out_its_inputs_aligned_in_one_block():
 # --------------------------------------------------------------------------------------------------------
 
 
-def _inputs_on(device: str, decode: bool, rows: int, tokens: int, logits: int) -> GraphInputs:
-    block = torch.zeros(GraphInputs.layout(rows, tokens, logits).total, dtype=torch.int64, device=device)
+def _inputs_on(device: str, decode: bool, rows: int, tokens: int, logits: int, room: int = 0) -> GraphInputs:
+    words = GraphInputs.layout(rows, tokens, logits).total + room
+    block = torch.zeros(words, dtype=torch.int64, device=device)
     kv = torch.zeros(rows * 64, dtype=torch.int64, device=device)
     return GraphInputs(block, kv, rows, tokens, logits, decode)
 
@@ -163,7 +180,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
             table.write(rows, lens + k, np.array([c[40 + k % 20] for c in contexts]))
         step = StepRows(rows=padded, prefix_lens=np.r_[lens + k, 0, 0, 0], new_lens=np.ones(8, np.int64),
                         input_ids=np.zeros(8, np.int64), from_table=np.arange(8))
-        inputs = [_inputs_on(device, True, 8, 8, 8) for device in devices]
+        inputs = [_inputs_on(device, True, 8, 8, 8, room=64) for device in devices]  # one copy
         for table, each in zip(tables, inputs):
             load_graph_inputs(table, step, each)
         _assert_same_inputs(*inputs)
@@ -172,7 +189,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
                          [gen.integers(0, 1000, n) for n in (1, 2, 3, 2)],
                          [np.array([0]), np.array([1]), np.array([2]), np.zeros(0, np.int64)])
     extend.from_table = np.array([0, 2])
-    inputs = [_inputs_on(device, False, 4, 8, 3) for device in devices]
+    inputs = [_inputs_on(device, False, 4, 8, 3) for device in devices]  # no room: two copies
     for table, each in zip(tables, inputs):
         load_graph_inputs(table, extend, each)
     _assert_same_inputs(*inputs)
