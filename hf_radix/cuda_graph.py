@@ -258,7 +258,7 @@ class DecodeGraphs(_CapturedForwards):
             step.is_decode
             and step.batch_size <= self.max_rows
             and step.last_tokens_only
-            and int((step.prefix_lens + 1).max()) <= self.kv_bound
+            and int(step.prefix_lens.max()) + 1 <= self.kv_bound
         )
 
     def shapes(self) -> list[tuple[int, ...]]:

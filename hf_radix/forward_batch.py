@@ -134,7 +134,7 @@ def _arange(n: int) -> np.ndarray:
 
 def _indptr(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
+    lengths.cumsum(out=out[1:])
     return out
 
 

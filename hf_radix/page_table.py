@@ -168,7 +168,7 @@ class PageTable:
 
     def set_next_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Records, on the device, the token each of `rows` computes next."""
-        self.next_token.index_copy_(0, rows, tokens.to(torch.int64))
+        self.next_token.index_copy_(0, rows, tokens if tokens.dtype == torch.int64 else tokens.long())
 
     def check(self, lengths: dict[int, int]) -> str | None:
         """A description of the first disagreement between host and device rows (`lengths`: open rows)."""

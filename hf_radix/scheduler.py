@@ -9,6 +9,7 @@ overlap on and off (greedy and seeded sampling).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -301,7 +302,7 @@ class Scheduler:
         if sampled or joining:
             chosen = logits
             params, uids = running.params, running.uids
-            subset = decoding + len(joining) != len(logits)
+            subset = decoding + len(joining) != logits.shape[0]
             if joining or subset:
                 sampled = [*sampled, *joining]
                 params = [*params, *(r.params for r in joining)]
@@ -340,8 +341,9 @@ class Scheduler:
         if decoding and running.steps_left <= 0:  # some request launched its last token
             self._settle()
             done = [r for r in running.reqs if r.launched >= r.launch_limit]
-        with self.manager.lazy_free_region():
-            for req, _, end in items[decoding:]:
+        prefill = items[decoding:]
+        with self.manager.lazy_free_region() if prefill else contextlib.nullcontext():
+            for req, _, end in prefill:
                 req.num_computed = end
                 if not req.prefilled:
                     self.manager.cache_req(req.row, req.ids, end, finished=False)
