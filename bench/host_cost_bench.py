@@ -202,6 +202,8 @@ def measure_decode(args, replay: bool = False) -> dict:
         wall_steps, wall = _timed_steps(runner, prompts, params, is_decode, lambda: _argmax_seconds(argmax))
         profile = cProfile.Profile()
         _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
+        calls: list[int] = []
+        _timed_steps(runner, prompts, params, is_decode, lambda: _counting_calls(calls))
     steps = len(wall_steps)
     host_ms = 1e3 * statistics.median(wall_steps)
     net_ms = 1e3 * statistics.median(t - a for t, a in zip(wall_steps, argmax))
@@ -217,9 +219,28 @@ def measure_decode(args, replay: bool = False) -> dict:
         "decode_step_host_ms_cpu_net": net_ms,
         "decode_step_host_ms_gpu_estimate_net": net_ms + ops * LAUNCH_US / 1e3,
         "decode_step_python_calls": pstats.Stats(profile).total_calls / steps,
+        # a steady step's (the mean above includes the steps that plan shared-prefix groups anew)
+        "decode_step_python_calls_median": statistics.median(calls),
         "run_wall_s": wall,
         "profile_top": _top(profile),
     }
+
+
+@contextlib.contextmanager
+def _counting_calls(counts: list[int]):
+    """Appends the Python and builtin calls made inside it."""
+    count = [0]
+
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        counts.append(count[0])
 
 
 @contextlib.contextmanager
