@@ -63,22 +63,6 @@ def _bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-def static_buffer_numels(max_rows: int, max_tokens: int, kv_bound: int) -> dict[str, tuple[int, torch.dtype]]:
-    """Element count and dtype of each static metadata array of a set of graphs (padding row included):
-    the largest shape's; every shape's arrays lie in one static block (`GraphInputs`) beside the slot list."""
-    tokens, rows = max_tokens, max_rows + 1
-    return {
-        "input_ids": (tokens, torch.int64),
-        "positions": (tokens, torch.int64),
-        "out_loc": (tokens, torch.int64),
-        "logits_indices": (rows, torch.int64),
-        "kv": (rows * kv_bound, torch.int64),
-        "qo_indptr": (rows + 1, torch.int32),
-        "lens": (rows, torch.int32),
-        "kv_indptr": (rows + 1, torch.int32),
-    }
-
-
 def _static_block_words(max_rows: int, max_tokens: int) -> int:
     """int64 words of the static block: the largest shape's layout (every array 16-byte aligned), and room
     behind it for the rest of a step's upload (page-table writes, row bases, ids' rows: a few numbers per
@@ -93,7 +77,7 @@ def static_buffer_bytes(max_rows: int, max_tokens: int, kv_bound: int) -> int:
 
 
 class _CapturedForwards(abc.ABC):
-    """Shared machinery: static buffers, capture per padded shape, replay with fresh metadata."""
+    """Shared machinery: static buffers, capture per padded shape, replay with the step's metadata loaded."""
 
     #: the kernels read the slot lists of whole contexts (decode) or of cached prefixes (extend)
     decode: bool

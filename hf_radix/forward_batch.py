@@ -1,4 +1,5 @@
-"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`)."""
+"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`, or
+a captured graph's static inputs, `GraphInputs`, filled in place by `load_graph_inputs`)."""
 
 from __future__ import annotations
 
