@@ -10,7 +10,11 @@ microseconds of kernels on a GPU, tens of milliseconds on the CPU, unread by the
 run counts the aten ops of a step (each a kernel launch on a GPU; the GPU estimate adds `LAUNCH_US` per
 op to the host time; the `_net` keys leave out the greedy argmax over the canned logits, CPU work here and
 one kernel there); a profiled run (cProfile) gives the top host functions and the Python
-calls per step (a count that, unlike the times, does not depend on the machine's load). A 5-shot scoring
+calls per step (a count that, unlike the times, does not depend on the machine's load).
+`decode` pads rows to a graph bucket and runs the padded batch eagerly (the CPU's path); `decode_replay`
+runs what a GPU runs before each graph replay, on the CPU: decode graphs with shared-prefix groups (the
+gsp benchmark's path) whose metadata lands in static buffers exactly as on a GPU, a "replay" returning the
+canned logits (the graph's output buffer). A 5-shot scoring
 workload (512 questions x 4 choices behind one 1,500-token prefix) is measured the same way, per run.
 Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
 """
@@ -51,7 +55,27 @@ def _fake_forward(engine) -> None:
     engine.run_model = run_model
 
 
-def _runner(args) -> RadixBatchRunner:
+class _Replayed:
+    """A captured graph's replay, as far as the host sees it: one call."""
+
+    def replay(self) -> None:
+        pass
+
+
+class HostReplayedDecodeGraphs(DecodeGraphs):
+    """Decode graphs whose replay path runs on the CPU: static buffers (CPU tensors) filled as on a GPU,
+    graphs "captured" by one eager forward of the static batch whose output stands for the graph's."""
+
+    def __init__(self, engine, max_batch: int, shared_prefix: bool):
+        super().__init__(engine, max_batch, shared_prefix=shared_prefix)
+        self.capture = True
+        self._allocate_static()
+
+    def _record(self, batch):
+        return _Replayed(), self._forward(batch)
+
+
+def _runner(args, replay: bool = False) -> RadixBatchRunner:
     model = tiny_model("llama", vocab_size=VOCAB, max_position_embeddings=4096, eos_token_id=None)
     model.generation_config.eos_token_id = None
     runner = RadixBatchRunner(
@@ -59,8 +83,9 @@ def _runner(args) -> RadixBatchRunner:
         max_running_requests=256, chunked_prefill_size=8192, overlap=not args.no_overlap, warm_up=False,
     )
     _fake_forward(runner.engine)
-    # the GPU's decode path: rows padded to a captured bucket (run eagerly off CUDA)
-    runner.model_runner.decode_graphs = DecodeGraphs(runner.engine, 256)
+    # the GPU's decode path: rows padded to a captured bucket (run eagerly off CUDA, or replay-like)
+    graphs = HostReplayedDecodeGraphs(runner.engine, 256, shared_prefix=True) if replay else None
+    runner.model_runner.decode_graphs = graphs or DecodeGraphs(runner.engine, 256)
     return runner
 
 
@@ -156,8 +181,8 @@ def _stub_slot_lists():
     host work."""
     real = forward_batch.gather_contexts
 
-    def gather(slots, bases, lengths, total):
-        return torch.empty(total, dtype=torch.int64)
+    def gather(flat_slots, bases, lengths, total, out=None):
+        return torch.empty(total, dtype=torch.int64) if out is None else out[:total]
 
     forward_batch.gather_contexts = gather
     try:
@@ -166,9 +191,10 @@ def _stub_slot_lists():
         forward_batch.gather_contexts = real
 
 
-def measure_decode(args) -> dict:
-    """Per decode step at 256 rows: host time (slot lists stubbed), aten ops (not stubbed), a cProfile."""
-    runner = _runner(args)
+def measure_decode(args, replay: bool = False) -> dict:
+    """Per decode step at 256 rows: host time (slot lists stubbed), aten ops (not stubbed), a cProfile;
+    `replay`: the graph replay path (see the module's docstring)."""
+    runner = _runner(args, replay)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runner.run(_prompts(8, 32, 2048, 256, seed=1), params, progress=False)  # first run: tables grow
     prompts = _prompts(8, 32, 2048, 256, seed=2)
@@ -184,6 +210,8 @@ def measure_decode(args) -> dict:
         wall_steps, wall = _timed_steps(runner, prompts, params, is_decode, lambda: _argmax_seconds(argmax))
         profile = cProfile.Profile()
         _timed_steps(runner, prompts, params, is_decode, lambda: _profiling(profile))
+        calls: list[int] = []
+        _timed_steps(runner, prompts, params, is_decode, lambda: _counting_calls(calls))
     steps = len(wall_steps)
     host_ms = 1e3 * statistics.median(wall_steps)
     net_ms = 1e3 * statistics.median(t - a for t, a in zip(wall_steps, argmax))
@@ -199,9 +227,28 @@ def measure_decode(args) -> dict:
         "decode_step_host_ms_cpu_net": net_ms,
         "decode_step_host_ms_gpu_estimate_net": net_ms + ops * LAUNCH_US / 1e3,
         "decode_step_python_calls": pstats.Stats(profile).total_calls / steps,
+        # a steady step's (the mean above includes the steps that plan shared-prefix groups anew)
+        "decode_step_python_calls_median": statistics.median(calls),
         "run_wall_s": wall,
         "profile_top": _top(profile),
     }
+
+
+@contextlib.contextmanager
+def _counting_calls(counts: list[int]):
+    """Appends the Python and builtin calls made inside it."""
+    count = [0]
+
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+
+    sys.setprofile(hook)
+    try:
+        yield
+    finally:
+        sys.setprofile(None)
+        counts.append(count[0])
 
 
 @contextlib.contextmanager
@@ -270,10 +317,11 @@ def main() -> None:
         "overlap": not args.no_overlap,
         "launch_us_assumed": LAUNCH_US,
         "decode": measure_decode(args),
+        "decode_replay": measure_decode(args, replay=True),
     }
     if not args.skip_scoring:
         results["scoring"] = measure_scoring(args)
-    for name in ("decode", "scoring"):
+    for name in ("decode", "decode_replay", "scoring"):
         if name in results:
             print(f"== {name}\n{results[name]['profile_top']}")
             print(json.dumps({k: v for k, v in results[name].items() if k != "profile_top"}, indent=1))

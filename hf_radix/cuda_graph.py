@@ -12,11 +12,13 @@ replaying a captured graph removes that. Two kinds:
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
 
-Before a replay the step's metadata is built on the device from the page table and copied into the
-graph's static buffers; the static slot buffer holds every row's whole context (bucket x table width),
-so no context length falls back to eager. Graphs are captured with the model's Llama-style norms and
-rotary embeddings swapped for single Triton kernels (`fused_ops`, unless turned off). Off CUDA the same
-padded batches run eagerly, so the padding logic is exercised on the CPU too.
+Before a replay the step's metadata lands in the graph's static buffers: the staged copy of what the host
+sends goes straight into a static block laid out for the graph's padded shape, and the device gathers
+(ids read from the page table, slot lists) write into the static buffers; the static slot buffer holds
+every row's whole context (bucket x table width), so no context length falls back to eager. Graphs are
+captured with the model's Llama-style norms and rotary embeddings swapped for single Triton kernels
+(`fused_ops`, unless turned off). Off CUDA the same padded batches run eagerly, so the padding logic is
+exercised on the CPU too.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .forward_batch import ForwardBatch, StepRows, build_forward_batch
+from .forward_batch import ForwardBatch, GraphInputs, StepRows, build_forward_batch, load_graph_inputs
 from .fused_ops import fused_norm_and_rope
 from .page_table import PADDING_ROW
 from .shared_decode import MAX_PREFIX_SPLITS, DecodeShare, SharedPrefixDecode, decode_cost
@@ -61,29 +63,21 @@ def _bucket(sizes: Sequence[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-def static_buffer_numels(max_rows: int, max_tokens: int, kv_bound: int) -> dict[str, tuple[int, torch.dtype]]:
-    """Element count and dtype of each static metadata buffer of a set of graphs (padding row included)."""
-    tokens, rows = max_tokens, max_rows + 1
-    return {
-        "input_ids": (tokens, torch.int64),
-        "positions": (tokens, torch.int64),
-        "out_loc": (tokens, torch.int64),
-        "logits_indices": (rows, torch.int64),
-        "kv": (rows * kv_bound, torch.int64),
-        "qo_indptr": (rows + 1, torch.int32),
-        "lens": (rows, torch.int32),
-        "kv_indptr": (rows + 1, torch.int32),
-    }
+def _static_block_words(max_rows: int, max_tokens: int) -> int:
+    """int64 words of the static block: the largest shape's layout (every array 16-byte aligned), and room
+    behind it for the rest of a step's upload (page-table writes, row bases, ids' rows: a few numbers per
+    row and token), so that one copy sends it all."""
+    layout = GraphInputs.layout(max_rows + 1, max_tokens, max_rows + 1)
+    return layout.total + 4 * (max_rows + max_tokens) + 256
 
 
 def static_buffer_bytes(max_rows: int, max_tokens: int, kv_bound: int) -> int:
-    """Bytes of the static metadata buffers `static_buffer_numels` describes."""
-    layout = static_buffer_numels(max_rows, max_tokens, kv_bound).values()
-    return sum(n * torch.empty((), dtype=dtype).element_size() for n, dtype in layout)
+    """Bytes of the static metadata buffers: the static block and the slot list."""
+    return 8 * (_static_block_words(max_rows, max_tokens) + (max_rows + 1) * kv_bound)
 
 
 class _CapturedForwards(abc.ABC):
-    """Shared machinery: static buffers, capture per padded shape, replay with fresh metadata."""
+    """Shared machinery: static buffers, capture per padded shape, replay with the step's metadata loaded."""
 
     #: the kernels read the slot lists of whole contexts (decode) or of cached prefixes (extend)
     decode: bool
@@ -99,17 +93,19 @@ class _CapturedForwards(abc.ABC):
         self.released = False
         self.replays = 0
         self.capture_time = 0.0
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphInputs]] = {}
         if self.capture:
-            layout = static_buffer_numels(max_rows, max_tokens, self.kv_bound)  # + extend's padding row
-            scratch = self.table.scratch_slot
-            with torch.inference_mode(False):  # written later by calls in any grad mode
-                self._static = {
-                    name: torch.full((n,), scratch if name in ("out_loc", "kv") else 0, dtype=dtype,
-                                     device=engine.device)
-                    for name, (n, dtype) in layout.items()
-                }
+            self._allocate_static()
             self._pool = torch.cuda.graph_pool_handle()
+
+    def _allocate_static(self) -> None:
+        """The static block every shape's metadata is uploaded into, and the static slot list."""
+        scratch = self.table.scratch_slot
+        with torch.inference_mode(False):  # written later by calls in any grad mode
+            self._block = torch.zeros(_static_block_words(self.max_rows, self.max_tokens), dtype=torch.int64,
+                                      device=self.engine.device)
+            self._kv = torch.full(((self.max_rows + 1) * self.kv_bound,), scratch, dtype=torch.int64,
+                                  device=self.engine.device)
 
     @property
     def num_graphs(self) -> int:
@@ -120,7 +116,7 @@ class _CapturedForwards(abc.ABC):
         away: the graphs hold its addresses); running or capturing afterwards raises."""
         self.released = True
         self._graphs = {}
-        self._static = self._pool = None
+        self._block = self._kv = self._pool = None
 
     def _check_live(self) -> None:
         if self.released:
@@ -129,58 +125,41 @@ class _CapturedForwards(abc.ABC):
             )
 
     # -- the static batch of one shape -------------------------------------------------------------------
-    def _static_batch(self, rows: int, tokens: int, logits: int) -> ForwardBatch:
+    def _static_batch(self, inputs: GraphInputs, rows: int, tokens: int) -> ForwardBatch:
         """The batch a graph of `rows` rows (padding row included) and `tokens` tokens is captured with."""
-        s = self._static
-        lens, kv_indptr, kv = s["lens"][:rows], s["kv_indptr"][: rows + 1], s["kv"]
         return ForwardBatch(
-            input_ids=s["input_ids"][:tokens],
-            positions=s["positions"][:tokens],
-            out_loc=s["out_loc"][:tokens],
-            qo_indptr=s["qo_indptr"][: rows + 1],
-            prefix_lens=lens,
-            seq_lens=lens,
-            kv_indices=kv,
-            kv_indptr=kv_indptr,
-            prefix_kv_indices=kv,
-            prefix_kv_indptr=kv_indptr,
-            logits_indices=s["logits_indices"][:logits],
+            input_ids=inputs.input_ids,
+            positions=inputs.positions,
+            out_loc=inputs.out_loc,
+            qo_indptr=inputs.qo_indptr,
+            prefix_lens=inputs.lens,
+            seq_lens=inputs.lens,
+            kv_indices=inputs.kv,
+            kv_indptr=inputs.kv_indptr,
+            prefix_kv_indices=inputs.kv,
+            prefix_kv_indptr=inputs.kv_indptr,
+            logits_indices=inputs.logits_indices,
             qo_indptr_host=np.r_[np.arange(rows) if self.decode else np.zeros(rows, dtype=np.int64), tokens],
             seq_lens_host=np.ones(rows, dtype=np.int64),
             max_new_len=1 if self.decode else tokens,
             max_kv_len=self.kv_bound,
         )
 
-    def _load(self, batch: ForwardBatch) -> None:
-        """Copies a padded batch's device metadata into the static buffers (device to device)."""
-        s = self._static
-        kv = batch.kv_indices if self.decode else batch.prefix_kv_indices
-        pairs = [
-            ("input_ids", batch.input_ids), ("positions", batch.positions), ("out_loc", batch.out_loc),
-            ("logits_indices", batch.logits_indices), ("kv", kv), ("qo_indptr", batch.qo_indptr),
-            ("lens", batch.seq_lens if self.decode else batch.prefix_lens),
-            ("kv_indptr", batch.kv_indptr if self.decode else batch.prefix_kv_indptr),
-        ]
-        for name, values in pairs:
-            s[name][: len(values)].copy_(values, non_blocking=True)
-
     # -- running -----------------------------------------------------------------------------------------
-    def _run(self, key: tuple[int, int], padded: StepRows, real_rows: int) -> torch.Tensor:
+    def _run(self, key: tuple[int, ...], padded: StepRows, real_rows: int) -> torch.Tensor:
         """Runs a padded batch (its graph, captured on first use; eagerly off CUDA); real rows' logits.
 
         On CUDA the result is the graph's output buffer: valid until the next replay.
         """
         self._check_live()
         self.replays += 1
-        # a graph's kernels read one slot list; eager runs (off CUDA) may use any backend
-        lists = ("context" if self.decode else "prefix") if self.capture else "both"
-        batch = build_forward_batch(self.table, padded, lists)
-        if not self.capture:
-            return self._forward(self._attach(key, batch))[:real_rows]
-        if key not in self._graphs:
-            self._graphs[key] = self._capture(key)
-        graph, logits = self._graphs[key]
-        self._load(batch)
+        if not self.capture:  # eager runs (off CUDA) may use any backend: both slot lists
+            return self._forward(self._attach(key, build_forward_batch(self.table, padded)))[:real_rows]
+        captured = self._graphs.get(key)
+        if captured is None:
+            captured = self._graphs[key] = self._capture(key)
+        graph, logits, inputs = captured
+        load_graph_inputs(self.table, padded, inputs)
         graph.replay()
         return logits[:real_rows]
 
@@ -190,11 +169,19 @@ class _CapturedForwards(abc.ABC):
         if self.capture and key not in self._graphs:
             self._graphs[key] = self._capture(key)
 
-    def _capture(self, key: tuple[int, int]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, key: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphInputs]:
         started = time.perf_counter()
         padding = self._padding_only(key)
-        batch = self._attach(key, self._static_batch(padding.batch_size, padding.num_tokens, key[0]))
-        self._load(build_forward_batch(self.table, padding))
+        rows, tokens = padding.batch_size, padding.num_tokens
+        inputs = GraphInputs(self._block, self._kv, rows, tokens, key[0], self.decode)
+        load_graph_inputs(self.table, padding, inputs)
+        graph, logits = self._record(self._attach(key, self._static_batch(inputs, rows, tokens)))
+        self.capture_time += time.perf_counter() - started
+        logger.info("captured a %s CUDA graph for %s", type(self).__name__, key)
+        return graph, logits, inputs
+
+    def _record(self, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Captures the forward of the static `batch` in a graph (after two eager runs); its logits buffer."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         fused = fused_norm_and_rope(self.engine.model) if self.fused_ops else contextlib.nullcontext(0)
@@ -210,8 +197,7 @@ class _CapturedForwards(abc.ABC):
             except RuntimeError as error:  # the eager runs above passed: only capturing fails
                 raise GraphCaptureError(str(error)) from error
         torch.cuda.current_stream().synchronize()
-        self.capture_time += time.perf_counter() - started
-        logger.info("captured a %s CUDA graph for %s (%d norm/rope swaps)", type(self).__name__, key, swaps)
+        logger.debug("%d norm/rope swaps in the captured forward", swaps)
         return graph, logits
 
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
@@ -248,6 +234,7 @@ class DecodeGraphs(_CapturedForwards):
         cost = decode_cost(engine) if shared_prefix else None
         # graphs keyed (rows, rows, MAX_PREFIX_SPLITS) read it, one per batch size of two rows or more
         self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch, captured=True)
+        self._padded: tuple[int, tuple, tuple] | None = None  # see `_pad`
 
     def fits(self, step: StepRows) -> bool:
         """Whether a step (one new token per row) can replay a graph."""
@@ -255,7 +242,7 @@ class DecodeGraphs(_CapturedForwards):
             step.is_decode
             and step.batch_size <= self.max_rows
             and step.last_tokens_only
-            and int((step.prefix_lens + 1).max()) <= self.kv_bound
+            and int(step.prefix_lens.max()) + 1 <= self.kv_bound
         )
 
     def shapes(self) -> list[tuple[int, ...]]:
@@ -265,25 +252,39 @@ class DecodeGraphs(_CapturedForwards):
         return per_row + [(s, s, MAX_PREFIX_SPLITS) for s in self.sizes if s >= 2]
 
     def _pad(self, size: int, step: StepRows) -> StepRows:
-        extra = size - step.batch_size
+        """`step` padded to `size` rows, each wanting its logits; padded rows read their id (0) from the
+        page table's padding row too when the step's ids come from the table (one gather, no scatter).
 
-        def padded(values: np.ndarray, fill: int) -> np.ndarray:
-            return np.concatenate([values, np.full(extra, fill, dtype=np.int64)]) if extra else values
-
-        return StepRows(
-            rows=padded(step.rows, PADDING_ROW),
-            prefix_lens=padded(step.prefix_lens, 0),
-            new_lens=padded(step.new_lens, 1),
-            input_ids=padded(step.input_ids, 0),
-            from_table=step.from_table,
-        )
+        The padded arrays besides the positions are kept while the step's arrays are the same objects (a
+        steady batch's `RunningRows`)."""
+        n = step.batch_size
+        if n == size:
+            return step if step.logits_offsets is None else dataclasses.replace(step, logits_offsets=None)
+        sources = (step.rows, step.new_lens, step.input_ids, step.from_table)
+        cached = self._padded
+        if cached is None or cached[0] != size or any(a is not b for a, b in zip(cached[1], sources)):
+            zeros = np.zeros(size - n, dtype=np.int64)
+            from_table = step.from_table
+            if from_table is not None:
+                from_table = np.concatenate([from_table, np.arange(n, size, dtype=np.int64)])
+            padded = (
+                np.concatenate([step.rows, zeros + PADDING_ROW]), np.concatenate([step.new_lens, zeros + 1]),
+                np.concatenate([step.input_ids, zeros]), from_table, zeros,
+            )
+            cached = self._padded = (size, sources, padded)
+        rows, new_lens, input_ids, from_table, zeros = cached[2]
+        return StepRows(rows=rows, prefix_lens=np.concatenate([step.prefix_lens, zeros]), new_lens=new_lens,
+                        input_ids=input_ids, from_table=from_table)
 
     def _padding_only(self, key: tuple[int, int]) -> StepRows:
         return self._pad(key[0], StepRows.of([], [], []))
 
-    def run(self, step: StepRows) -> torch.Tensor:
-        """Decodes one token per row; returns `[B, vocab]` (see `_run` for the buffer's lifetime)."""
-        if not self.fits(step):
+    def run(self, step: StepRows, *, fits: bool = False) -> torch.Tensor:
+        """Decodes one token per row; returns `[B, vocab]` (see `_run` for the buffer's lifetime).
+
+        `fits`: the caller has just checked `fits(step)`.
+        """
+        if not (fits or self.fits(step)):
             raise ValueError(f"a decode batch of {step.batch_size} rows does not fit the captured graphs")
         size = _bucket(self.sizes, step.batch_size)
         padded = self._pad(size, step)
@@ -345,9 +346,12 @@ class ExtendGraphs(_CapturedForwards):
     def _padding_only(self, key: tuple[int, int]) -> StepRows:
         return self._pad(key[0], key[1], StepRows.of([], [], []))
 
-    def run(self, step: StepRows) -> torch.Tensor:
-        """Computes each row's new tokens after its cached prefix; returns `[B, vocab]` (last tokens)."""
-        if not self.fits(step):
+    def run(self, step: StepRows, *, fits: bool = False) -> torch.Tensor:
+        """Computes each row's new tokens after its cached prefix; returns `[B, vocab]` (last tokens).
+
+        `fits`: the caller has just checked `fits(step)`.
+        """
+        if not (fits or self.fits(step)):
             raise ValueError("an extend batch with an empty row or past the captured shapes cannot replay")
         key = (_bucket(self.row_sizes, step.batch_size), _bucket(self.token_sizes, step.num_tokens))
         return self._run(key, self._pad(*key, step), step.batch_size)

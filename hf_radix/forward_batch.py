@@ -1,4 +1,5 @@
-"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`)."""
+"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`, or
+a captured graph's static inputs, `GraphInputs`, filled in place by `load_graph_inputs`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 
 from .page_table import PageTable
+from .staging import PackedLayout, StaticBlock
 
 if TYPE_CHECKING:
     from .shared_decode import DecodeShare
@@ -118,11 +120,22 @@ class StepRows:
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_ARANGES: dict[int, np.ndarray] = {}
+
+
+def _arange(n: int) -> np.ndarray:
+    """`np.arange(n)` (int64, read-only), made once per length: decode metadata that depends on the batch
+    size alone."""
+    out = _ARANGES.get(n)
+    if out is None:
+        out = _ARANGES[n] = np.arange(n, dtype=np.int64)
+        out.setflags(write=False)
+    return out
 
 
 def _indptr(lengths: np.ndarray) -> np.ndarray:
     out = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=out[1:])
+    lengths.cumsum(out=out[1:])
     return out
 
 
@@ -130,20 +143,44 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else _EMPTY
 
 
+def _token_layout(step: StepRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The packed tokens of `step`: each row's offset (`qo_indptr`), each token's position and table row,
+    and the packed positions whose logits are wanted."""
+    rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
+    decode = bool((new == 1).all())
+    if decode:  # a decode step: one token per row, at its prefix length
+        qo_indptr = _arange(len(rows) + 1)
+        positions, token_rows = prefix, rows
+    else:
+        qo_indptr = _indptr(new)
+        positions = np.arange(int(qo_indptr[-1]), dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new)
+        token_rows = np.repeat(rows, new)
+    if step.logits_offsets is None:
+        logits = _arange(len(rows)) if decode else qo_indptr[1:] - 1
+    else:
+        logits = _concat(
+            [np.asarray(o, dtype=np.int64) + start for o, start in zip(step.logits_offsets, qo_indptr)]
+        )
+    return qo_indptr, positions, token_rows, logits
+
+
 def gather_contexts(
-    slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int
+    flat_slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
-    the result lies in row `i`'s run (`lengths[i]` long) and reads `slots.view(-1)[bases[i] + k]`.
+    the result lies in row `i`'s run (`lengths[i]` long) and reads `flat_slots[bases[i] + k]`.
 
     With `bases[i] = rows[i] * width - indptr[i]` (`indptr` the runs' offsets) that is
-    `slots[rows[i], :lengths[i]]` of every row.
+    `slots[rows[i], :lengths[i]]` of every row. With `out` (int64, at least `total` long) the result is
+    written into its first `total` entries (and returned).
     """
     if total == 0:
-        return bases[:0]
+        return bases[:0] if out is None else out[:0]
     flat = torch.repeat_interleave(bases, lengths, output_size=total)
-    flat += torch.arange(total, device=slots.device)
-    return slots.view(-1).index_select(0, flat).long()
+    flat += torch.arange(total, device=flat_slots.device)
+    gathered = flat_slots.index_select(0, flat)
+    return gathered.long() if out is None else out[:total].copy_(gathered)
 
 
 SLOT_LISTS = ("both", "context", "prefix")
@@ -163,20 +200,8 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    if (new == 1).all():  # a decode step: one token per row, at its prefix length
-        qo_indptr = np.arange(len(rows) + 1, dtype=np.int64)
-        positions, token_rows = prefix, rows
-    else:
-        qo_indptr = _indptr(new)
-        positions = np.arange(int(qo_indptr[-1]), dtype=np.int64) - np.repeat(qo_indptr[:-1] - prefix, new)
-        token_rows = np.repeat(rows, new)
+    qo_indptr, positions, token_rows, logits = _token_layout(step)
     kv_indptr, prefix_indptr = _indptr(seq), _indptr(prefix)
-    if step.logits_offsets is None:
-        logits = qo_indptr[1:] - 1
-    else:
-        logits = _concat(
-            [np.asarray(o, dtype=np.int64) + start for o, start in zip(step.logits_offsets, qo_indptr)]
-        )
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
     context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
     prefix_total = int(prefix_indptr[-1]) if slot_lists != "context" else 0
@@ -187,7 +212,8 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
     every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
     parts = [
         _EMPTY if every_id_from_table else step.input_ids, positions, table.host[token_rows, positions],
-        logits, from_table, token_rows[from_table], context_bases, prefix_bases,
+        logits, from_table, token_rows if every_id_from_table else token_rows[from_table], context_bases,
+        prefix_bases,
     ]
     uploaded = table.upload(parts, narrow_parts)  # one copy, with the page-table writes made since the last
     input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_d, prefix_d = uploaded[:8]
@@ -203,9 +229,9 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.slots, context_d, seq32, context_total),
+        kv_indices=gather_contexts(table.flat_slots, context_d, seq32, context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.slots, prefix_d, prefix32, prefix_total),
+        prefix_kv_indices=gather_contexts(table.flat_slots, prefix_d, prefix32, prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
@@ -213,3 +239,53 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         max_new_len=int(new.max(initial=0)),
         max_kv_len=int(seq.max(initial=0)),
     )
+
+
+class GraphInputs:
+    """The static metadata one captured graph reads, at addresses fixed by its padded shape: a
+    `StaticBlock` (each token's id, position and slot, the logits rows; the int32 row offsets, lengths and
+    slot-list offsets) and the static slot list `kv`.
+
+    `decode`: the kernels read every row's whole context (`lens` are sequence lengths); otherwise its
+    cached prefix (`lens` are prefix lengths).
+    """
+
+    def __init__(
+        self, block: torch.Tensor, kv: torch.Tensor, rows: int, tokens: int, logits: int, decode: bool
+    ):
+        self.block = StaticBlock(self.layout(rows, tokens, logits), block)
+        (self.input_ids, self.positions, self.out_loc, self.logits_indices,
+         self.qo_indptr, self.lens, self.kv_indptr) = self.block.views
+        self.kv = kv
+        self.decode = decode
+
+    @staticmethod
+    def layout(rows: int, tokens: int, logits: int) -> PackedLayout:
+        """Where the block holds the metadata of `rows` rows (padding row included) and `tokens` tokens."""
+        return PackedLayout([tokens, tokens, tokens, logits], [rows + 1, rows, rows + 1])
+
+
+def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> None:
+    """Writes the metadata of `step` (padded to the graph's shape) into a graph's static inputs.
+
+    What `build_forward_batch` sends lands in the static block from the same staged copy (no device
+    copies into the graph's buffers afterwards); the ids read from the table and the slot lists (whole
+    contexts or cached prefixes, per `inputs.decode`) are written into the static buffers by the gathers.
+    """
+    qo_indptr, positions, token_rows, logits = _token_layout(step)
+    lens = step.prefix_lens + step.new_lens if inputs.decode else step.prefix_lens
+    indptr = _indptr(lens)
+    from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
+    every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
+    input_ids = _EMPTY if every_id_from_table else step.input_ids  # (all read from the table below)
+    static_parts = [input_ids, positions, table.host[token_rows, positions], logits]
+    bases = step.rows * table.width - indptr[:-1]
+    parts = [bases, token_rows] if every_id_from_table else [bases, token_rows[from_table], from_table]
+    bases, table_rows, *table_pos = table.upload(
+        parts, into=inputs.block, into_parts=static_parts, into_narrow=[qo_indptr, lens, indptr]
+    )
+    if every_id_from_table:
+        torch.index_select(table.next_token, 0, table_rows, out=inputs.input_ids)
+    elif len(from_table):
+        inputs.input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
+    gather_contexts(table.flat_slots, bases, inputs.lens, int(indptr[-1]), out=inputs.kv)

@@ -142,7 +142,7 @@ class ModelRunner:
         graphs = self._graphs_for(step)
         if graphs is not None:
             try:
-                logits = graphs.run(step)
+                logits = graphs.run(step, fits=True)
             except GraphCaptureError as error:
                 self._give_up_graphs(error)
                 graphs = None

@@ -5,7 +5,8 @@ when they are allocated (or when a row's prefix is re-pointed at the tree's copy
 device table through row indices and lengths, never through re-uploaded contexts. Row 0 is reserved for
 padding: every position of it is the scratch slot, so padded rows of captured graphs write there.
 Each row also keeps, on the device, the next token it will compute (`next_token`): the runner writes the
-token it samples there, and the next step reads it without a round trip through the host.
+token it samples there, and the next step reads it without a round trip through the host. The padding
+row's is never written: 0, the id padded rows compute.
 
 Writes land in the host table at once; the device table receives them at the next `upload` (the step's
 metadata), in the same staged copy, so the writes of one step (new slots of every row, prefixes of new
@@ -14,10 +15,12 @@ rows, re-pointed duplicates) cost one copy and one scatter whatever their number
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from .staging import HostStaging
+from .staging import HostStaging, StaticBlock
 
 PADDING_ROW = 0
 _FIRST_ROWS = 16
@@ -56,6 +59,7 @@ class PageTable:
             self.next_token = torch.zeros(_FIRST_ROWS, dtype=torch.int64, device=self.device)
         self.host[PADDING_ROW] = scratch_slot
         self.slots[PADDING_ROW] = scratch_slot
+        self.flat_slots = self.slots.view(-1)  # the device table as one run (kept with `slots`)
         self._free_rows = list(range(_FIRST_ROWS - 1, PADDING_ROW, -1))  # a stack: lowest row on top
         self.staging = HostStaging(self.device)
         self._pending: list[np.ndarray] = []  # flat positions written on the host, not yet on the device
@@ -84,7 +88,7 @@ class PageTable:
             slots[:old] = self.slots
             next_token = torch.zeros(new, dtype=torch.int64, device=self.device)
             next_token[:old] = self.next_token
-        self.slots, self.next_token = slots, next_token
+        self.slots, self.next_token, self.flat_slots = slots, next_token, slots.view(-1)
         self._free_rows = list(range(new - 1, old - 1, -1)) + self._free_rows
 
     def close(self, row: int) -> None:
@@ -124,22 +128,28 @@ class PageTable:
             slots[:, :old] = self.slots
             slots[PADDING_ROW] = self.scratch_slot
         self._pending = [(p // old) * width + p % old for p in self._pending]
-        self.host, self.slots, self.width = host, slots, width
+        self.host, self.slots, self.width, self.flat_slots = host, slots, width, slots.view(-1)
 
-    def upload(self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = ()) -> list[torch.Tensor]:
-        """`parts` (int64) and `narrow` (int32) on the device (one staged copy, `HostStaging.upload`), after
-        the device table received the pending writes.
+    def upload(
+        self, parts: list[np.ndarray], narrow: list[np.ndarray] | tuple = (), *,
+        into: StaticBlock | None = None, into_parts: Sequence[np.ndarray] = (),
+        into_narrow: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
+        """`parts` (int64) and `narrow` (int32) on the device (one staged copy, `HostStaging.upload`; with
+        `into`, `into_parts` and `into_narrow` land in that static block), after the device table received
+        the pending writes.
 
         The values sent are read from the host table now, so a position written twice since the last
         upload carries its last value in every duplicate (the scatter's order cannot matter).
         """
+        static = {"into": into, "into_parts": into_parts, "into_narrow": into_narrow}
         if not self._pending:
-            return self.staging.upload(parts, narrow)
+            return self.staging.upload(parts, narrow, **static)
         flat = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
         self._pending = []
         values = self.host.reshape(-1)[flat]
-        position, *out = self.staging.upload([flat, *parts], [values, *narrow])
-        self.slots.view(-1).index_copy_(0, position, out.pop(len(parts)))
+        position, *out = self.staging.upload([flat, *parts], [values, *narrow], **static)
+        self.flat_slots.index_copy_(0, position, out.pop(len(parts)))
         return out
 
     def flush(self) -> None:
@@ -158,7 +168,7 @@ class PageTable:
 
     def set_next_tokens(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Records, on the device, the token each of `rows` computes next."""
-        self.next_token.index_copy_(0, rows, tokens.to(torch.int64))
+        self.next_token.index_copy_(0, rows, tokens if tokens.dtype == torch.int64 else tokens.long())
 
     def check(self, lengths: dict[int, int]) -> str | None:
         """A description of the first disagreement between host and device rows (`lengths`: open rows)."""

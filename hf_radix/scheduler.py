@@ -9,6 +9,7 @@ overlap on and off (greedy and seeded sampling).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -320,7 +321,7 @@ class Scheduler:
         if sampled or joining:
             chosen = logits
             params, uids = running.params, running.uids
-            subset = decoding + len(joining) != len(logits)
+            subset = decoding + len(joining) != logits.shape[0]
             if joining or subset:
                 sampled = [*sampled, *joining]
                 params = [*params, *(r.params for r in joining)]
@@ -365,8 +366,9 @@ class Scheduler:
             last = [i for i, r in enumerate(running.reqs) if r.launched >= r.launch_limit]
             done = [running.reqs[i] for i in last]
         joined = decoding
-        with self.manager.lazy_free_region():
-            for req, _, end in items[decoding:]:
+        prefill = items[decoding:]
+        with self.manager.lazy_free_region() if prefill else contextlib.nullcontext():
+            for req, _, end in prefill:
                 req.num_computed = end
                 if not req.prefilled:
                     self.manager.cache_req(req.row, req.ids, end, finished=False)

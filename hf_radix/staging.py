@@ -5,6 +5,9 @@ fresh tensor per array costs tens of microseconds each; here the arrays of one u
 pinned buffer of a small ring and sent with one asynchronous copy. A buffer is rewritten only after the
 event recorded behind its last copy has completed, so a copy still in flight never sees new data (in
 steady state that event is long done: the ring holds several steps' uploads).
+
+An upload may also fill a `StaticBlock`: arrays at addresses fixed by their sizes (a captured CUDA graph's
+inputs), sent from the same pinned buffer, so a graph's metadata lands where the graph reads it.
 """
 
 from __future__ import annotations
@@ -35,6 +38,55 @@ def aligned_views(flat: torch.Tensor, offsets: Sequence[int], sizes: Sequence[in
     return [flat[o:o + n] for o, n in zip(offsets, sizes)]
 
 
+class PackedLayout:
+    """Where one upload packs its arrays: int64 arrays of `sizes`, then int32 arrays of `narrow_sizes` (in
+    the buffer's last words), each `ALIGN_BYTES`-aligned; `total` int64 words in all (a whole number of
+    aligned units, so whatever follows is aligned too)."""
+
+    def __init__(self, sizes: Sequence[int], narrow_sizes: Sequence[int] = ()):
+        self.sizes, self.narrow_sizes = list(sizes), list(narrow_sizes)
+        self.offsets, self.wide = aligned_offsets(self.sizes, 8)
+        self.narrow_offsets, count = aligned_offsets(self.narrow_sizes, 4)
+        self.total = self.wide + count // 2
+
+    def pack(self, host: np.ndarray, parts: Sequence[np.ndarray], narrow: Sequence[np.ndarray]) -> None:
+        """Writes `parts` and `narrow` (at most the layout's sizes each) into `host` (int64, `total` long)."""
+        _pack(host, self.offsets, parts, self.wide, self.narrow_offsets, narrow)
+
+    def views(self, packed: torch.Tensor) -> list[torch.Tensor]:
+        """The arrays in `packed` (int64, `total` long): int64 views, then int32 views."""
+        out = aligned_views(packed, self.offsets, self.sizes)
+        if self.narrow_sizes:
+            out += aligned_views(packed[self.wide:].view(torch.int32), self.narrow_offsets, self.narrow_sizes)
+        return out
+
+
+class StaticBlock:
+    """A device region holding one `PackedLayout`'s arrays at fixed addresses (`views`) at its start:
+    uploads that name it copy their arrays of that layout straight there, and the rest of the upload into
+    the room behind them when it fits (one copy)."""
+
+    def __init__(self, layout: PackedLayout, block: torch.Tensor):
+        if block.dtype != torch.int64 or block.numel() < layout.total:
+            raise ValueError(f"a static block of {layout.total} int64s; got {block.numel()} {block.dtype}")
+        self.layout = layout
+        self.block = block
+        self.flat = block[: layout.total]
+        self.views = layout.views(self.flat)
+
+
+def _pack(
+    host: np.ndarray, offsets: Sequence[int], parts: Sequence[np.ndarray], wide: int,
+    narrow_offsets: Sequence[int], narrow: Sequence[np.ndarray],
+) -> None:
+    for offset, part in zip(offsets, parts):
+        host[offset:offset + len(part)] = part
+    if narrow:
+        words = host[wide:].view(np.int32)
+        for offset, part in zip(narrow_offsets, narrow):
+            words[offset:offset + len(part)] = part
+
+
 class HostStaging:
     """Uploads int64 (and int32) host arrays to `device`; off CUDA the packed array itself is returned (no
     copy made)."""
@@ -42,19 +94,30 @@ class HostStaging:
     def __init__(self, device: torch.device | str, ring: int = RING):
         self.device = torch.device(device)
         self._buffers: list[torch.Tensor | None] = [None] * ring
+        self._hosts: list[np.ndarray | None] = [None] * ring  # the buffers' numpy views
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
         self.uploads = 0
 
-    def upload(self, parts: Sequence[np.ndarray], narrow: Sequence[np.ndarray] = ()) -> list[torch.Tensor]:
+    def upload(
+        self, parts: Sequence[np.ndarray], narrow: Sequence[np.ndarray] = (), *,
+        into: StaticBlock | None = None, into_parts: Sequence[np.ndarray] = (),
+        into_narrow: Sequence[np.ndarray] = (),
+    ) -> list[torch.Tensor]:
         """`parts` (int64 after conversion), then `narrow` (int32), on the device, one tensor each, sent
         as one packed copy (the int32 values share the packed buffer's last words: no cast on the device).
         Every tensor starts `ALIGN_BYTES`-aligned.
+
+        With `into`, `into_parts` and `into_narrow` (of its layout's sizes, or shorter: the rest of such an
+        array is left undefined) land in that static block, from the same pinned buffer; the returned tensors
+        are those of `parts` and `narrow` alone, in the block's room behind the layout when they fit there
+        (one copy in all; valid until the next upload into the block) or sent beside it.
         """
         sizes, narrow_sizes = [len(p) for p in parts], [len(p) for p in narrow]
         offsets, wide = aligned_offsets(sizes, 8)
         narrow_offsets, count = aligned_offsets(narrow_sizes, 4)
-        total = wide + count // 2  # `count` is a whole number of aligned int64 pairs' worth of int32s
+        start = 0 if into is None else into.layout.total
+        total = start + wide + count // 2  # `count` is a whole number of aligned int64 pairs' worth of int32s
         self.uploads += 1
         cuda = self.device.type == "cuda"
         if cuda:
@@ -67,21 +130,26 @@ class HostStaging:
             if buffer is None or buffer.numel() < total:
                 size = max(total, 2 * (0 if buffer is None else buffer.numel()), 1024)
                 buffer = self._buffers[slot] = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            host = buffer.numpy()[:total]
+                self._hosts[slot] = buffer.numpy()
+            host = self._hosts[slot]
+            source = buffer[:total]
         else:
             host = np.empty(total, dtype=np.int64)  # returned as is: never reused
-        for offset, part in zip(offsets, parts):
-            host[offset:offset + len(part)] = part
-        words = host[wide:].view(np.int32)
-        for offset, part in zip(narrow_offsets, narrow):
-            words[offset:offset + len(part)] = part
+            source = torch.from_numpy(host)
+        if into is not None:
+            into.layout.pack(host, into_parts, into_narrow)
+        _pack(host[start:], offsets, parts, wide, narrow_offsets, narrow)
+        if into is None:
+            packed = source.to(self.device, non_blocking=True)  # off CUDA: `source` itself
+        elif total <= into.block.numel():
+            packed = into.block[:total].copy_(source, non_blocking=True)[start:]
+        else:
+            into.flat.copy_(source[:start], non_blocking=True)
+            packed = source[start:].to(self.device, non_blocking=True)
         if cuda:
-            packed = buffer[:total].to(self.device, non_blocking=True)
             if event is None:
                 event = self._events[slot] = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))  # the stream the copy was queued on
-        else:
-            packed = torch.from_numpy(host)
+            event.record(torch.cuda.current_stream(self.device))  # the stream the copies were queued on
         out = aligned_views(packed, offsets, sizes)
         if narrow:
             out += aligned_views(packed[wide:].view(torch.int32), narrow_offsets, narrow_sizes)

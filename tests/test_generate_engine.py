@@ -138,8 +138,10 @@ def test_graph_memory_estimate_counts_static_buffers_and_the_largest_forward():
     model = fresh_model("llama")
     text = model.config
     static = static_buffer_bytes(256, 256, 1024) + static_buffer_bytes(8, 256, 1024)
-    # ids, positions, out_loc per token; logits index and slot list per row (int64); three int32 row arrays
-    assert static_buffer_bytes(3, 5, 7) == 8 * (3 * 5 + 4 + 4 * 7) + 4 * (5 + 4 + 5)
+    # ids, positions, out_loc per token, a logits index per row (int64), three int32 row arrays, each array
+    # padded to 16 bytes in one block, with room behind them for the rest of an upload; the slot list (int64,
+    # rows x kv_bound)
+    assert static_buffer_bytes(3, 5, 7) == 8 * (3 * 6 + 4 + 4 * (3 + 5) + 256 + 4 * 7) + 4 * (8 + 4 + 8)
     estimate = graph_memory_bytes(model, torch.bfloat16, 256, 1024)
     per_token = 2 * (4 * text.hidden_size + 3 * text.intermediate_size + (4 + 2 * 2) * 16)
     shared_partials = 256 * 4 * MAX_PREFIX_SPLITS * (16 + 1) * 4  # fp32 output + lse per query head and split

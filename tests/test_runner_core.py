@@ -175,7 +175,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
     core.decode_graphs = DecodeGraphs(runner.engine, max_batch=4)
     core.extend_graphs = ExtendGraphs(runner.engine, max_rows=4, max_tokens=32)
 
-    def refuse(self, step):
+    def refuse(self, step, **_):
         raise GraphCaptureError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
 
     monkeypatch.setattr(DecodeGraphs, "run", refuse)
