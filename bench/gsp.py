@@ -77,12 +77,14 @@ def run_hf(
 
 
 def step_summary(runner: RadixBatchRunner, since: int) -> dict:
-    """Median host and GPU milliseconds of the decode steps recorded after the first `since`."""
+    """Median host and GPU milliseconds of the decode steps recorded after the first `since`: the host's
+    whole loop iteration (waits excluded), and of it scheduling + launching the step alone."""
     times = runner.step_times
-    host, gpu = times.host_s[since:], times.gpu_s[since:]
+    host, launch, gpu = times.host_s[since:], times.launch_s[since:], times.gpu_s[since:]
     return {
         "decode_steps": len(host),
         "decode_step_host_ms": 1e3 * statistics.median(host) if host else None,
+        "decode_step_launch_host_ms": 1e3 * statistics.median(launch) if launch else None,
         "decode_step_gpu_ms": 1e3 * statistics.median(gpu) if gpu else None,
     }
 

@@ -116,29 +116,37 @@ def _top(profile: cProfile.Profile, count: int = 20) -> str:
 
 
 def _timed_steps(runner, prompts, params, is_decode, hook) -> tuple[list[float], float]:
-    """Runs `prompts`; `hook()` (a context manager) wraps each launch that `is_decode(items)`."""
+    """Runs `prompts`; `hook()` (a context manager) wraps each launch that `is_decode(items)`. A decode
+    step's time is its schedule-free launch plus the completion of its results."""
     scheduler = runner.scheduler
-    real_launch = scheduler._launch
-    times = []
+    real_launch, real_complete = scheduler._launch, scheduler._complete
+    launches, completions = [], []
 
-    def launch(items, started):
+    def launch(items):
         if not is_decode(items):
-            return real_launch(items, started)
+            return real_launch(items)
+        started = time.perf_counter()
         with hook():
-            launched = real_launch(items, started)
-        times.append(time.perf_counter() - started)
+            launched = real_launch(items)
+        launches.append(time.perf_counter() - started)
         return launched
 
-    scheduler._launch = launch
+    def complete(launched):
+        started = time.perf_counter()
+        real_complete(launched)
+        if launched.decode:
+            completions.append(time.perf_counter() - started)
+
+    scheduler._launch, scheduler._complete = launch, complete
     runner.reset_cache()
     started = time.perf_counter()
     try:
         runner.run(prompts, params, progress=False)
     finally:
-        del scheduler._launch
+        del scheduler._launch, scheduler._complete
     wall = time.perf_counter() - started
     runner.check_integrity()
-    return times, wall
+    return [a + b for a, b in zip(launches, completions)], wall
 
 
 @contextlib.contextmanager

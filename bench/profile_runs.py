@@ -2,9 +2,11 @@
 
 Prints torch.profiler tables (by GPU time) and cProfile tables (by own time) for one steady run of a
 smaller scoring workload (the score_bench shape, fewer questions) and for a short gsp run (8 groups x 32
-prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 weights.
+prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 weights. `--part decode`
+profiles decode steps alone: the gsp prompts are cached by a first run, so a run of 64 new tokens computes
+one prompt token a row and then decodes.
 
-    python bench/profile_runs.py [--part score|gsp|both] [--questions 128]
+    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128]
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--part", default="both", choices=["score", "gsp", "both"])
+    parser.add_argument("--part", default="both", choices=["score", "gsp", "decode", "both"])
     parser.add_argument("--questions", type=int, default=128)
     args = parser.parse_args()
     model = build_llama(False, "cuda")
@@ -69,7 +71,7 @@ def main() -> None:
             runner.loglikelihood(pairs, progress=False)
 
         profiled(f"scoring {len(pairs)} pairs", score)
-    if args.part in ("gsp", "both"):
+    if args.part in ("gsp", "decode", "both"):
         gen = torch.Generator().manual_seed(0)
         prompts = []
         for _ in range(8):
@@ -81,7 +83,13 @@ def main() -> None:
             runner.reset_cache()
             runner.run(prompts, params, progress=False)
 
-        profiled("gsp-8x32, 16 new tokens", gsp)
+        if args.part == "decode":
+            runner.run(prompts, SamplingParams(max_new_tokens=1), progress=False)
+            decode_params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+            profiled("gsp-8x32 decode, prompts cached, 64 new tokens",
+                     lambda: runner.run(prompts, decode_params, progress=False))
+        else:
+            profiled("gsp-8x32, 16 new tokens", gsp)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT. Every benchmark
 # starts with an empty Triton cache (its first run is a fresh process's: nothing compiled by an earlier one).
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [warmtests]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
@@ -11,6 +11,7 @@ for step in "$@"; do
   case $step in
     tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -n 6 --tb=short tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     profile) timeout 300 python3 bench/profile_runs.py 2>&1 | tee "$OUT/profile.log" ;;
+    profiledecode) timeout 200 python3 bench/profile_runs.py --part decode 2>&1 | tee "$OUT/profile_decode.log" ;;
     gsp) timeout 230 python3 bench/gsp.py --groups16 --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;

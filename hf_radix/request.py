@@ -75,6 +75,12 @@ class Req:
         self._ids[len(self.token_ids)] = token
         self.token_ids.append(token)
 
+    def extend(self, tokens: np.ndarray) -> None:
+        """Adds generated tokens (int64), oldest first."""
+        n = len(self.token_ids)
+        self._ids[n : n + len(tokens)] = tokens
+        self.token_ids.extend(tokens.tolist())
+
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len

@@ -43,16 +43,21 @@ class _Launched:
 
     sampled: list[Req]
     tokens: torch.Tensor | None  # host copy of the sampled tokens (pinned on CUDA)
+    last: list[int]  # the positions in `sampled` of requests whose last token this step samples
     scored: list[tuple[Req, int, bool]]  # scoring requests, how many scores are theirs, whether the last
     scores: tuple[torch.Tensor, torch.Tensor] | None  # host copies: log-probs, greedy matches
     done: torch.cuda.Event | None
+    decode: bool  # every item is a running request's decode token
 
 
 @dataclass
 class StepTimes:
-    """Per decode step: host seconds to schedule and launch it, and (when profiled) GPU seconds."""
+    """Per decode step: the host's seconds in its loop iteration (scheduling and launching the step, and
+    completing the step before it), waits for the GPU excluded; of those, scheduling and launching
+    alone; and (when profiled) the step's GPU seconds."""
 
     host_s: list[float] = field(default_factory=list)
+    launch_s: list[float] = field(default_factory=list)
     gpu_s: list[float] = field(default_factory=list)
 
 
@@ -94,6 +99,11 @@ class Scheduler:
         self._running_rows: RunningRows | None = None  # `running` as arrays (see `_settle`)
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._waited = 0.0  # seconds of this loop iteration spent waiting for the GPU
+        self._stop_ids = np.empty(0, dtype=np.int64)  # every token that may stop a request of the run
+        self._stop_strings = False  # whether a request of the run has stop strings
+        # sampled tokens not yet appended to their requests: (the step's sampled requests, its tokens)
+        self._unread: list[tuple[list[Req], np.ndarray]] = []
 
     # -- entry point ---------------------------------------------------------------------------------
     def run(self, reqs: list[Req], progress: bool) -> None:
@@ -106,15 +116,20 @@ class Scheduler:
             )
         else:
             self.pending = deque(ready)
+        self._stop_ids = np.fromiter(
+            set(self.eos_token_ids).union(*(r.params.stop_token_ids for r in ready)), dtype=np.int64
+        )
+        self._stop_strings = self.stop_strings is not None and any(r.params.stop for r in ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self._bar = bar
         in_flight: _Launched | None = None
         try:
             while self.pending or self.prefilling or self.running or self.draining:
-                started = time.perf_counter()
+                started, self._waited = time.perf_counter(), 0.0
                 items = self._schedule()
-                launched = self._launch(items, started) if items else None
+                launched = self._launch(items) if items else None
+                launch_s = time.perf_counter() - started
                 previous, in_flight = in_flight, None
                 if previous is not None:
                     self._complete(previous)
@@ -126,6 +141,9 @@ class Scheduler:
                     req = self.pending.popleft()
                     self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
                     bar.update(1)
+                if launched is not None and launched.decode:
+                    self.step_times.launch_s.append(launch_s)
+                    self.step_times.host_s.append(time.perf_counter() - started - self._waited)
         except BaseException:
             self._settle()
             for req in [*self.prefilling, *self.running, *self.draining]:
@@ -138,6 +156,7 @@ class Scheduler:
         finally:
             bar.close()
             self._collect_gpu_times()
+            self._unread.clear()  # every request left through `_release`: what remains is past their ends
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             logger.warning("%d of %d requests failed; first: %s", len(failed), len(reqs), failed[0].error)
@@ -267,7 +286,7 @@ class Scheduler:
             from_table=decode.from_table,
         )
 
-    def _launch(self, items: list[Item], started: float) -> _Launched:
+    def _launch(self, items: list[Item]) -> _Launched:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
         running = self._running()  # the first items (see `_schedule`)
         decoding = len(running.reqs)
@@ -327,19 +346,25 @@ class Scheduler:
         if timer is not None:
             timer[1].record()
             self._timed.append(timer)
-        self._advance(items, running)
-        if decode:
-            self.step_times.host_s.append(time.perf_counter() - started)
-        return _Launched(sampled, tokens_host, [(r, len(t), last) for r, t, last in scored], scores, done)
+        last = self._advance(items, running)
+        scored_counts = [(r, len(t), end) for r, t, end in scored]
+        return _Launched(sampled, tokens_host, last, scored_counts, scores, done, decode)
 
-    def _advance(self, items: list[Item], running: RunningRows) -> None:
-        """Host state after launching a step: what is computed, which requests prefill, decode or drain."""
+    def _advance(self, items: list[Item], running: RunningRows) -> list[int]:
+        """Host state after launching a step: what is computed, which requests prefill, decode or drain.
+
+        Returns the positions among the step's sampled requests (running ones, then those whose prefill
+        ends) of the requests that launched their last token.
+        """
         decoding = len(running.reqs)
         running.advance()
         done: list[Req] = []
+        last: list[int] = []
         if decoding and running.steps_left <= 0:  # some request launched its last token
             self._settle()
-            done = [r for r in running.reqs if r.launched >= r.launch_limit]
+            last = [i for i, r in enumerate(running.reqs) if r.launched >= r.launch_limit]
+            done = [running.reqs[i] for i in last]
+        joined = decoding
         with self.manager.lazy_free_region():
             for req, _, end in items[decoding:]:
                 req.num_computed = end
@@ -358,9 +383,12 @@ class Scheduler:
                     self.running.append(req)
                 else:
                     self.draining.append(req)
+                    last.append(joined)
+                joined += 1
         for req in done:
             self.running.remove(req)
             self.draining.append(req)
+        return last
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
         index, target = self.manager.table.upload([np.concatenate(rows), np.concatenate(targets)])
@@ -371,7 +399,9 @@ class Scheduler:
     def _complete(self, launched: _Launched) -> None:
         """Reads a step's results (waiting only for that step) and finishes the requests that are done."""
         if launched.done is not None:
+            waiting = time.perf_counter()
             launched.done.synchronize()
+            self._waited += time.perf_counter() - waiting
         with self.manager.lazy_free_region():
             if launched.scores is not None:
                 logp, greedy = launched.scores[0].numpy(), launched.scores[1].numpy()
@@ -385,18 +415,49 @@ class Scheduler:
                         self._release(req, "length", None)
             if launched.tokens is None:
                 return
+            sampled, tokens = launched.sampled, launched.tokens.numpy().copy()
+            self._unread.append((sampled, tokens))
+            candidates = self._finish_candidates(launched, tokens)
+            if candidates:
+                self._append_tokens()
             settled = False
-            for req, token in zip(launched.sampled, launched.tokens.tolist()):
+            for i in candidates:
+                req = sampled[i]
                 if req.finish_reason is not None:
-                    continue  # it stopped a step earlier: this token was computed past its end
-                req.append(token)
-                reason = self._finish_reason(req, token)
+                    continue
+                reason = self._finish_reason(req, int(tokens[i]))
                 if reason is not None:
                     if not settled:
                         self._settle()
                         settled = True
                     (self.running if req in self.running else self.draining).remove(req)
                     self._release(req, reason, None)
+
+    def _append_tokens(self) -> None:
+        """Appends the unread tokens to their requests: one `extend` a request for each run of steps that
+        sampled the same requests (a steady decode batch appends nothing until a request may finish).
+        A request that stopped drops the tokens computed past its end."""
+        unread, self._unread = self._unread, []
+        start = 0
+        while start < len(unread):
+            reqs, end = unread[start][0], start + 1
+            while end < len(unread) and unread[end][0] is reqs:
+                end += 1
+            block = np.stack([tokens for _, tokens in unread[start:end]], axis=1)  # [requests, steps]
+            for req, tokens in zip(reqs, block):
+                if req.finish_reason is None:
+                    req.extend(tokens)
+            start = end
+
+    def _finish_candidates(self, launched: _Launched, tokens: np.ndarray) -> list[int]:
+        """Positions among the sampled requests that may finish with this step's tokens, in order: a token
+        that stops some request of the run, a last token, or any token of a request with stop strings."""
+        found = set(launched.last)
+        if len(self._stop_ids):
+            found.update(np.flatnonzero(np.isin(tokens, self._stop_ids)).tolist())
+        if self._stop_strings:
+            found.update(i for i, req in enumerate(launched.sampled) if req.params.stop)
+        return sorted(found)
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.params
@@ -421,6 +482,8 @@ class Scheduler:
 
         A generated request's last token has no K/V of its own (or only from a step past its end).
         """
+        if self._unread:
+            self._append_tokens()
         if req.row is not None:
             known = len(req.token_ids) - (1 if req.num_generated else 0)
             self.manager.cache_req(req.row, req.ids, min(req.num_computed, known), finished=True)

@@ -133,7 +133,8 @@ def test_runner_overlap_and_graphs_match_hf_on_gpu():
         results.append([o.token_ids for o in outs])
         assert runner.model_runner.decode_graphs.replays > 0
         times = runner.step_times
-        assert times.host_s and len(times.gpu_s) == len(times.host_s)
+        assert times.host_s and len(times.gpu_s) == len(times.host_s) == len(times.launch_s)
+        assert all(launch <= host for launch, host in zip(times.launch_s, times.host_s))
     assert results[0] == results[1]
     for prompt, tokens, p in zip(prompts, results[0], params):
         ref = _hf_greedy(model, prompt, 12)

@@ -116,9 +116,9 @@ def test_batched_writes_under_eviction_keep_the_table_exact(page_size: int, monk
     uploads = []
     real_complete, real_launch = scheduler._complete, scheduler._launch
 
-    def launch(items, started):
+    def launch(items):
         before = table.staging.uploads
-        launched = real_launch(items, started)
+        launched = real_launch(items)
         uploads.append(table.staging.uploads - before)
         return launched
 

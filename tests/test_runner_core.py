@@ -205,9 +205,9 @@ def test_steady_decode_steps_reuse_the_running_arrays(monkeypatch):
 
     uploads: list[int] = []
 
-    def launch(items, started):
+    def launch(items):
         decode, before = len(items) == len(scheduler.running), staging.uploads
-        launched = real_launch(items, started)
+        launched = real_launch(items)
         if decode:
             uploads.append(staging.uploads - before)
         return launched
