@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import platform
 import sys
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -74,13 +76,27 @@ def seeded_model(args: argparse.Namespace, device: str) -> torch.nn.Module:
     return build_llama(args.tiny, device, layers=args.layers)
 
 
-def write_result(result: dict, json_path: Path | None) -> None:
-    """Prints a benchmark's result as JSON, with the command that made it; also writes it to `json_path`."""
-    result["command"] = " ".join(["python", *sys.argv])
+def command_line() -> str:
+    """The command that runs this benchmark, as a result file records it."""
+    return " ".join(["python", *sys.argv])
+
+
+def write_result(result: dict, json_path: Path | None, echo: bool = True) -> None:
+    """Writes a benchmark's result as JSON to `json_path`, with the command that made it; `echo` also
+    prints it (benchmarks that print a table of their own pass False)."""
+    result["command"] = command_line()
     text = json.dumps(result, indent=2)
-    print(text)
+    if echo:
+        print(text)
     if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(text + "\n")
+
+
+def cpu_machine() -> dict[str, str]:
+    """The Python, numpy and CPU a CPU benchmark ran on."""
+    return {"python": platform.python_version(), "numpy": np.__version__,
+            "cpu": platform.processor() or platform.machine()}
 
 
 def sync(device: str) -> None:
@@ -104,7 +120,7 @@ class ResultFile:
         model = f"Llama-3.1-8B shape ({args.layers or 32} layers), random bf16"
         self.path = path
         self.data: dict = {
-            "command": " ".join(["python", *sys.argv]),
+            "command": command_line(),
             "config": {
                 "model": "tiny llama fp32" if args.tiny else model,
                 "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

@@ -19,7 +19,6 @@ first radix generate on a model runs once. `cold_ttft_s` is the priming call tha
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -32,7 +31,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 
@@ -265,9 +264,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.profile:
         return result
     print_table(result)
+    write_result(result, args.json, echo=False)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
         print(f"wrote {args.json}")
     return result
 

@@ -22,7 +22,6 @@ Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|exten
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -39,6 +38,7 @@ import triton.testing
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from common import write_result  # noqa: E402
 from test_kernels import ref_attention_row  # noqa: E402 - the float64 attention reference of the tests
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
@@ -95,6 +95,15 @@ def _decode_rows(
 
 def _sms() -> int:
     return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _decode_case(batch: int, ctx: int, hq: int, hkv: int, d: int, seed: int) -> tuple[tuple, int]:
+    """Inputs of ``batch`` rows of ``ctx`` tokens on shuffled 16-token pages, as `_decode_point` takes them
+    after its label (q, pool, kv_indices, kv_indptr, K+V bytes read), and the default split count."""
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
+    kv_indices, kv_indptr = _decode_rows(batch, ctx, 16, gen)
+    return (q, pool, kv_indices, kv_indptr, kv_bytes), ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
 
 
 def _time_decode(
@@ -154,42 +163,34 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
 
 def bench_decode_small() -> list[dict[str, Any]]:
     """Few long rows (8 x 8,192, page 16): where split-KV matters; auto split count vs fixed ones."""
-    batch, ctx, hq, hkv, d = 8, 8192, 32, 8, 128
-    gen = torch.Generator().manual_seed(2)
-    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
-    kv_indices, kv_indptr = _decode_rows(batch, ctx, 16, gen)
-    auto = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
+    batch, ctx = 8, 8192
+    case, auto = _decode_case(batch, ctx, hq=32, hkv=8, d=128, seed=2)
     results = []
     for rep, splits in [(r, sp) for r in range(2) for sp in sorted({1, 4, auto, 8, 16, 32})]:
         label = f"decode B8x8192 splits={splits:<2}{' (auto)' if splits == auto else '       '}"
-        point = _decode_point(label, q, pool, kv_indices, kv_indptr, kv_bytes, splits, None)
+        point = _decode_point(label, *case, splits, None)
         results.append({"batch": batch, "ctx": ctx, "splits": splits, "auto": splits == auto, "rep": rep,
                         **point})
-    del pool
+    del case
     torch.cuda.empty_cache()
     return results
 
 
 def bench_decode_d256() -> list[dict[str, Any]]:
     """Gemma-2-like heads (16 q / 8 kv, head_dim 256): batch 64 x 4,096, page 16; BLOCK_N / warps sweep."""
-    batch, ctx, hq, hkv, d = 64, 4096, 16, 8, 256
-    gen = torch.Generator().manual_seed(3)
-    q, pool, kv_bytes = _decode_inputs(batch, ctx, hq, hkv, d)
-    kv_indices, kv_indptr = _decode_rows(batch, ctx, 16, gen)
-    splits = ta.pick_num_kv_splits(batch, hkv, ctx, _sms())
+    case, splits = _decode_case(64, 4096, hq=16, hkv=8, d=256, seed=3)
     results = []
     for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
                 "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                 {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
-        used = cfg or ta._decode_config(d, q.dtype, q.device)
+        used = cfg or ta._decode_config(256, case[0].dtype, case[0].device)
         try:
-            point = _decode_point(f"decode d256 B64x4096 splits={splits} {used}", q, pool, kv_indices,
-                                  kv_indptr, kv_bytes, splits, cfg)
+            point = _decode_point(f"decode d256 B64x4096 splits={splits} {used}", *case, splits, cfg)
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory
             print(f"decode d256 {cfg}: {str(exc)[:120]}", flush=True)
             continue
         results.append({"splits": splits, "cfg": used, "default": cfg is None, **point})
-    del pool
+    del case
     torch.cuda.empty_cache()
     return results
 
@@ -621,7 +622,7 @@ def bench_store() -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=str, default=None, help="write results to this JSON file")
+    ap.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--only", choices=["decode", "extend", "store"], default=None)
     ap.add_argument("--old-ref", default="710e311",
@@ -684,9 +685,8 @@ def main() -> None:
                 f"{'store 8192x8x128 ' + name + ' cuda':<44} {s[name]['ms_cuda'] * 1e3:>10.1f}  "
                 f"torch index_copy_ {s[name]['ms_torch_index_copy'] * 1e3:.1f} us"
             )
+    write_result(results, args.json, echo=False)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -33,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_result  # noqa: E402
+from common import cpu_machine, write_result  # noqa: E402
 
 from hf_radix import schedule_policy  # noqa: E402
 from hf_radix import scheduler as scheduler_module  # noqa: E402
@@ -84,8 +83,7 @@ def run(prompts: int, groups: int, prefix_len: int, suffix_len: int, zero_reuse:
     return {
         "config": {"prompts": prompts, "groups": groups, "prefix_len": prefix_len, "suffix_len": suffix_len,
                    "zero_reuse": zero_reuse, "seed": seed},
-        "machine": {"python": platform.python_version(), "numpy": np.__version__,
-                    "cpu": platform.processor() or platform.machine()},
+        "machine": cpu_machine(),
         "static_sort_s": static_sort_s,
         "queue_build_s": build_s,
         "queue_pops_s": pop_s,
@@ -249,8 +247,7 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
                    "preamble_tokens": [1000, 1500], "question_tokens": [50, 300], "choice_tokens": [2, 10],
                    "pool_tokens": pool_tokens, "chunked_prefill_size": 8192, "max_running_requests": 256,
                    "vocab": VOCAB, "seed": seed},
-        "machine": {"python": platform.python_version(), "numpy": np.__version__,
-                    "cpu": platform.processor() or platform.machine()},
+        "machine": cpu_machine(),
         "run": done,
         "run_wall_s_cpu_stubbed": wall,
         "run_thread_cpu_s_stubbed": cpu,

@@ -13,7 +13,6 @@ are compared. `--tiny` runs a CPU-sized self-check in seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -25,7 +24,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
@@ -223,9 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"same argmax choice {check['same_choice']:.1%}; against unpadded float32-softmax forwards "
           f"({checked} pairs): hf_radix max {check['hf_radix_vs_reference_max']:.2e}, "
           f"HF batched max {check['hf_vs_reference_max']:.2e}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.json, echo=False)
     return result
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import transformers
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from common import LLAMA_8B, build_llama  # noqa: E402
+from common import LLAMA_8B, build_llama, write_result  # noqa: E402
 from score_bench import Pair, make_workload, padded_batches  # noqa: E402
 
 from hf_radix import RadixBatchRunner  # noqa: E402
@@ -146,10 +145,7 @@ def main() -> None:
         "torch": torch.__version__, "transformers": transformers.__version__,
         **{name: drift(values, reference, hf_bs1) for name, values in systems.items()},
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

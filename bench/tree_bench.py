@@ -7,8 +7,6 @@ match_prefix and one insert_prefix each. Not a test: run `python bench/tree_benc
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -16,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import cpu_machine, write_result  # noqa: E402
 
 from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
 
@@ -58,8 +58,7 @@ def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: 
     return {
         "config": {"groups": groups, "prompts": prompts, "prefix_len": prefix_len, "suffix_len": suffix_len,
                    "prompt_len": length, "page_size": page_size, "vocab": vocab, "seed": seed},
-        "machine": {"python": platform.python_version(), "numpy": np.__version__,
-                    "cpu": platform.processor() or platform.machine()},
+        "machine": cpu_machine(),
         "match_prefix": stats(match_us[warm]),
         "matched_indices": stats(indices_us[warm]),
         "insert_prefix": stats(insert_us[warm]),
@@ -92,9 +91,7 @@ def main() -> None:
         s = res[op]
         print(f"{op:<16}{s['median_us']:>12.1f}{s['mean_us']:>12.1f}{s['p99_us']:>12.1f}")
     print(f"wall {res['wall_s']:.1f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=2) + "\n")
+    write_result(res, args.json, echo=False)
 
 
 if __name__ == "__main__":

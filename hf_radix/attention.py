@@ -104,33 +104,13 @@ class TritonBackend:
             )
         if batch.is_decode:
             return self._kernels.decode_attention(
-                q,
-                k_cache,
-                v_cache,
-                batch.kv_indices,
-                batch.kv_indptr,
-                scaling,
-                sliding_window=sliding_window,
-                softcap=softcap,
-                max_kv_len=batch.max_kv_len,
-                sinks=sinks,
+                q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, scaling,
+                sliding_window=sliding_window, softcap=softcap, max_kv_len=batch.max_kv_len, sinks=sinks,
             )
         return self._kernels.extend_attention(
-            q,
-            k_new,
-            v_new,
-            k_cache,
-            v_cache,
-            batch.qo_indptr,
-            batch.prefix_lens,
-            batch.prefix_kv_indices,
-            batch.prefix_kv_indptr,
-            scaling,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            max_new_len=batch.max_new_len,
-            max_prefix_len=batch.max_kv_len,
-            sinks=sinks,
+            q, k_new, v_new, k_cache, v_cache, batch.qo_indptr, batch.prefix_lens, batch.prefix_kv_indices,
+            batch.prefix_kv_indptr, scaling, sliding_window=sliding_window, softcap=softcap,
+            max_new_len=batch.max_new_len, max_prefix_len=batch.max_kv_len, sinks=sinks,
         )
 
 

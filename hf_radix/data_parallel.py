@@ -113,10 +113,7 @@ class DataParallelRunner:
         """
         check_error_mode(errors)
         token_lists = self.local._tokenize(prompts)
-        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
-        params = [params] * len(token_lists) if isinstance(params, SamplingParams) else list(params)
-        if len(params) != len(token_lists):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(token_lists)} prompts")
+        params = self.local._params_per_prompt(sampling_params, len(token_lists))
         if not token_lists:
             return []
         mine = self._route(token_lists, [p.max_new_tokens for p in params])

@@ -164,17 +164,23 @@ class RadixBatchRunner:
         """
         check_error_mode(errors)
         arrays = self._token_arrays(list(prompts))
-        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
-        if isinstance(params, SamplingParams):
-            params = [params] * len(arrays)
-        params = list(params)
-        if len(params) != len(arrays):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(arrays)} prompts")
+        params = self._params_per_prompt(sampling_params, len(arrays))
         reqs = [Req(i, ids.tolist(), p, ids_array=ids) for i, (ids, p) in enumerate(zip(arrays, params))]
         self._execute(reqs, progress)
         outputs = [self._output(r) for r in reqs]
         failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
         return raise_or_return(outputs, failures, errors, "requests")
+
+    def _params_per_prompt(
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+    ) -> list[SamplingParams]:
+        """One SamplingParams per prompt: the given one repeated, the given list, or, without either,
+        `model.generation_config`'s."""
+        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
+        params = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
+        if len(params) != num_prompts:
+            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+        return params
 
     def _output(self, req: Req) -> RequestOutput:
         tokens = req.generated

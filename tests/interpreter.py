@@ -2,7 +2,12 @@
 
 The variable is read when ``@triton.jit`` decorates, so it must be set before triton is imported; a
 subprocess keeps it away from the other test modules. The subprocess runs every check and prints one
-JSON report; each pytest test then asserts on its own entry.
+JSON report; each pytest test then asserts on its own entry. A module's scaffolding::
+
+    test_triton_interpreter = interpreter_test(__file__, CHECKS)
+
+    if __name__ == "__main__" and "--interp" in sys.argv:
+        report_checks(CHECKS)
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ import os
 import subprocess
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +59,23 @@ def assert_check_passed(report: dict[str, Any], name: str) -> None:
     res = report[name]
     assert "error" not in res, res.get("error")
     assert res["ok"], res
+
+
+def interpreter_test(test_file: str, names: Iterable[str]) -> Callable[[str], None]:
+    """A test with one case per check name: the first case runs `test_file`'s interpreter subprocess
+    (`interpreter_report`), each case asserts on its own entry; a failed subprocess fails every case."""
+    reports: dict[str, dict[str, Any] | AssertionError] = {}
+
+    @pytest.mark.parametrize("name", list(names))
+    def test(name: str) -> None:
+        if test_file not in reports:
+            try:
+                reports[test_file] = interpreter_report(test_file)
+            except AssertionError as exc:
+                reports[test_file] = exc
+        report = reports[test_file]
+        if isinstance(report, AssertionError):
+            raise report
+        assert_check_passed(report, name)
+
+    return test

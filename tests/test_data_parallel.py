@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from conftest import random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from rank_processes import run_ranks
 
 from hf_radix import RadixBatchRunner, RequestError, SamplingParams
 from hf_radix.routing import CacheAwareRouter
@@ -43,51 +39,41 @@ def _summary(outs) -> list:
     return [[o.prompt_token_ids, o.token_ids, o.finish_reason, o.error is not None] for o in outs]
 
 
-def _worker(rank: int, world: int, init_file: str, out_dir: str, backend: str) -> None:
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        from hf_radix.data_parallel import DataParallelRunner
+def _replica(rank: int, device: torch.device) -> dict:
+    from hf_radix.data_parallel import DataParallelRunner
 
-        prompts, _, pairs = _workload()
-        runner = DataParallelRunner(tiny_model("llama").to(device), **OPTIONS)
-        outs = runner.run(prompts, _params())
-        routes = runner.last_routes
-        scores = runner.loglikelihood(pairs)
-        rolling = runner.loglikelihood_rolling(prompts[:2])
-        runner.check_integrity()
-        replicas = runner.replica_stats  # before the calls below, which score more pairs
-        stats = [runner.stats.prompt_tokens, runner.stats.cached_tokens, runner.stats.requests]
-        errors, kept = [], None
-        try:  # ranks given different inputs: refused on every rank, before any forward
-            runner.run([[5 + rank, 6, 7]], _params())
-        except ValueError as exc:
-            errors.append(str(exc))
-        try:  # a bad pair fails alone, reported on every rank (the error policy of one replica)
-            runner.loglikelihood([pairs[0], ([5, 6], []), pairs[1]])
-        except RequestError as exc:
-            errors.append(str(exc))
-            kept = [exc.results[0], exc.results[2]]
-        returned = runner.loglikelihood([pairs[0], ([5, 6], [])], errors="return")
-        runner.check_integrity()
-        result = {
-            "outs": _summary(outs),
-            "scores": scores,
-            "rolling": rolling,
-            "routes": routes,
-            "replicas": replicas,
-            "stats": stats,
-            "errors": errors,
-            "kept": kept,
-            "returned": returned,
-        }
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+    prompts, _, pairs = _workload()
+    runner = DataParallelRunner(tiny_model("llama").to(device), **OPTIONS)
+    outs = runner.run(prompts, _params())
+    routes = runner.last_routes
+    scores = runner.loglikelihood(pairs)
+    rolling = runner.loglikelihood_rolling(prompts[:2])
+    runner.check_integrity()
+    replicas = runner.replica_stats  # before the calls below, which score more pairs
+    stats = [runner.stats.prompt_tokens, runner.stats.cached_tokens, runner.stats.requests]
+    errors, kept = [], None
+    try:  # ranks given different inputs: refused on every rank, before any forward
+        runner.run([[5 + rank, 6, 7]], _params())
+    except ValueError as exc:
+        errors.append(str(exc))
+    try:  # a bad pair fails alone, reported on every rank (the error policy of one replica)
+        runner.loglikelihood([pairs[0], ([5, 6], []), pairs[1]])
+    except RequestError as exc:
+        errors.append(str(exc))
+        kept = [exc.results[0], exc.results[2]]
+    returned = runner.loglikelihood([pairs[0], ([5, 6], [])], errors="return")
+    runner.check_integrity()
+    return {
+        "outs": _summary(outs),
+        "scores": scores,
+        "rolling": rolling,
+        "routes": routes,
+        "replicas": replicas,
+        "stats": stats,
+        "errors": errors,
+        "kept": kept,
+        "returned": returned,
+    }
 
 
 def test_two_replicas_match_one_process(tmp_path):
@@ -106,8 +92,7 @@ def check_two_replicas(tmp_path, backend: str) -> None:
     single.check_integrity()
     assert outs[BAD].error is not None and all(o.error is None for i, o in enumerate(outs) if i != BAD)
 
-    mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(tmp_path), backend), nprocs=2, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks(tmp_path, backend, _replica)
 
     for result in ranks:
         assert result["outs"] == _summary(outs)  # same tokens; the bad request fails alone

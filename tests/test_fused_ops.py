@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from interpreter import assert_check_passed, interpreter_report, report_checks
+from interpreter import interpreter_test, report_checks
 
 pytest.importorskip("triton")
 
@@ -127,14 +127,7 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def report() -> dict[str, Any]:
-    return interpreter_report(__file__)
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_fused_kernels_under_the_interpreter(report: dict[str, Any], name: str) -> None:
-    assert_check_passed(report, name)
+test_fused_kernels_under_the_interpreter = interpreter_test(__file__, CHECKS)
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

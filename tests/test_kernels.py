@@ -20,7 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from interpreter import assert_check_passed, interpreter_report, report_checks
+from interpreter import interpreter_test, report_checks
 
 pytestmark = pytest.mark.slow  # no transformers version changes what this tests: run once
 
@@ -322,18 +322,7 @@ def _run_case(name: str) -> dict[str, Any]:
     return {"ok": ok, "err": err, "tol": _tol(dtype), "secs": round(time.time() - t0, 2)}
 
 
-def _interp_main() -> None:
-    report_checks({name: lambda name=name: _run_case(name) for name in INTERP_CASES})
-
-
-@pytest.fixture(scope="module")
-def interp_report() -> dict[str, Any]:
-    return interpreter_report(__file__)
-
-
-@pytest.mark.parametrize("name", list(INTERP_CASES))
-def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
-    assert_check_passed(interp_report, name)
+test_triton_interpreter = interpreter_test(__file__, INTERP_CASES)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -481,6 +470,5 @@ def test_store_cu_compiles(tmp_path: Path) -> None:
     assert so.exists() and so.stat().st_size > 0
 
 
-if __name__ == "__main__":
-    if "--interp" in sys.argv:
-        _interp_main()
+if __name__ == "__main__" and "--interp" in sys.argv:
+    report_checks({name: lambda name=name: _run_case(name) for name in INTERP_CASES})

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import fresh_model, hf_greedy, random_ids
-from interpreter import assert_check_passed, interpreter_report, report_checks
+from interpreter import interpreter_test, report_checks
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
@@ -306,14 +306,7 @@ CHECKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def interp_report() -> dict[str, Any]:
-    return interpreter_report(__file__)
-
-
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_triton_interpreter(interp_report: dict[str, Any], name: str) -> None:
-    assert_check_passed(interp_report, name)
+test_triton_interpreter = interpreter_test(__file__, CHECKS)
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import transformers
 from conftest import hf_greedy, hf_logits, random_ids
+from rank_processes import run_ranks
 
 from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.tiny import tiny_model
@@ -26,34 +22,24 @@ def _workload():
     return prompts, pair
 
 
-def _worker(rank: int, world: int, init_file: str, model_dir: str, out_dir: str, backend: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        auto = transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
-        prompts, pair = _workload()
-        runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=512 + 64 * rank, page_size=2)
-        greedy = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        torch.manual_seed(rank)  # the ranks' generators now differ: only rank 0's samples may count
-        sampled = runner.run(prompts, SamplingParams(max_new_tokens=NEW, temperature=1.0, ignore_eos=True))
-        [(logprob, _)] = runner.loglikelihood([pair])
-        runner.check_integrity()
-        result = {
-            "greedy": [o.token_ids for o in greedy],
-            "sampled": [o.token_ids for o in sampled],
-            "logprob": logprob,
-            "kv_heads": runner.engine.pool.shape.num_kv_heads,
-            "pool_tokens": runner.engine.manager.num_pages * runner.engine.page_size,
-            "cached": runner.stats.cached_tokens,
-        }
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+def _tp_rank(rank: int, device: torch.device, model_dir: str) -> dict:
+    auto = transformers.AutoModelForCausalLM
+    model = auto.from_pretrained(model_dir, tp_plan="auto", dtype=torch.float32)
+    prompts, pair = _workload()
+    runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=512 + 64 * rank, page_size=2)
+    greedy = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    torch.manual_seed(rank)  # the ranks' generators now differ: only rank 0's samples may count
+    sampled = runner.run(prompts, SamplingParams(max_new_tokens=NEW, temperature=1.0, ignore_eos=True))
+    [(logprob, _)] = runner.loglikelihood([pair])
+    runner.check_integrity()
+    return {
+        "greedy": [o.token_ids for o in greedy],
+        "sampled": [o.token_ids for o in sampled],
+        "logprob": logprob,
+        "kv_heads": runner.engine.pool.shape.num_kv_heads,
+        "pool_tokens": runner.engine.manager.num_pages * runner.engine.page_size,
+        "cached": runner.stats.cached_tokens,
+    }
 
 
 def test_tensor_parallel_matches_one_process(tmp_path):
@@ -64,9 +50,7 @@ def check_tensor_parallel(tmp_path, backend: str) -> None:
     """TP=2 (gloo on CPU, NCCL on 2 GPUs) against plain HF on the unsharded model."""
     reference = tiny_model("llama")
     reference.save_pretrained(tmp_path / "model")
-    args = (2, str(tmp_path / "init"), str(tmp_path / "model"), str(tmp_path), backend)
-    mp.spawn(_worker, args=args, nprocs=2, join=True)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = run_ranks(tmp_path, backend, _tp_rank, str(tmp_path / "model"))
     prompts, (context, continuation) = _workload()
     logp = hf_logits(reference, context + continuation).log_softmax(-1)
     expected = sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(continuation))

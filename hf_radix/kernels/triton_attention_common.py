@@ -84,6 +84,28 @@ def _softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    acc, l_i, m_i, q, k, v, n_mask, j, pos0, q_pos, qk_scale, cap_scale, window,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """The online-softmax step of one K/V tile, keys ``j`` of a range. MASKED drops the keys outside
+    ``n_mask`` and, for queries at positions ``q_pos`` (key ``j`` sits at position ``pos0 + j``), with CAUSAL
+    the keys after a query and with USE_WINDOW those ``window`` or more before it; without MASKED,
+    ``n_mask``, ``j``, ``pos0`` and ``q_pos`` are unused."""
+    s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
+    if MASKED:
+        keep = n_mask[None, :]
+        k_pos = pos0 + j
+        if CAUSAL:
+            keep = keep & (k_pos[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
+        s = tl.where(keep, s, float("-inf"))
+    return _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+
+
+@triton.jit
 def _paged_kv_loop(
     acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, pos0, q_pos,
     kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
@@ -100,16 +122,8 @@ def _paged_kv_loop(
         n_mask = j < hi
         k, v = _load_paged_kv(K_cache, V_cache, kv_idx_ptr, j, n_mask, kvh, stride_kct, stride_kch,
                               stride_vct, stride_vch, offs_d, offs_dv, d_mask, dv_mask, MASKED, EVEN_D)
-        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
-        if MASKED:
-            keep = n_mask[None, :]
-            k_pos = pos0 + j
-            if CAUSAL:
-                keep = keep & (k_pos[None, :] <= q_pos[:, None])
-            if USE_WINDOW:
-                keep = keep & ((q_pos[:, None] - k_pos[None, :]) < window)
-            s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, n_mask, j, pos0, q_pos, qk_scale, cap_scale,
+                                     window, MASKED, CAUSAL, USE_WINDOW, SOFTCAP, DOT_PREC)
     return acc, l_i, m_i
 
 

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from . import interpreting
 from .triton_attention_common import (
+    _attend_tile,
     _check_common,
     _check_out,
     _dot_prec,
@@ -32,10 +33,8 @@ from .triton_attention_common import (
     _paged_kv_loop,
     _partial_rows,
     _scales,
-    _scores,
     _sinks_log2,
     _sm_count,
-    _softmax_update,
     _window,
     pick_num_kv_splits,
 )
@@ -69,13 +68,8 @@ def _extend_new_loop(
         v_ptrs = V_new + tok[:, None] * stride_vnt + kvh * stride_vnh + offs_dv[None, :]
         n_mask = rel < new_len
         k, v = _load_kv(k_ptrs, v_ptrs, n_mask, d_mask, dv_mask, MASKED, EVEN_D)
-        s = _scores(q, tl.trans(k), qk_scale, cap_scale, SOFTCAP, DOT_PREC)
-        if MASKED:
-            keep = n_mask[None, :] & (rel[None, :] <= q_rel[:, None])
-            if USE_WINDOW:
-                keep = keep & ((q_rel[:, None] - rel[None, :]) < window)
-            s = tl.where(keep, s, float("-inf"))
-        acc, l_i, m_i = _softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k, v, n_mask, rel, 0, q_rel, qk_scale, cap_scale,
+                                     window, MASKED, True, USE_WINDOW, SOFTCAP, DOT_PREC)
     return acc, l_i, m_i
 
 
