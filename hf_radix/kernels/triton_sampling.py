@@ -230,7 +230,6 @@ def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockK
         searching = (scale != 0.0) & (top_p < 1.0)
     else:
         searching = (scale != 0.0) & (top_k < n_cols)
-    partial = tl.zeros([RADIX], tl.float32)
     if searching:
         m = _row_max(ChunkMax, row, n_chunks, CHUNKS)
         prefix = tl.full((), 0, tl.uint32)
@@ -268,14 +267,17 @@ def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockK
         x, key, read, anything = _read_chunk(Logits, stride_row, n_cols, scale, BlockKey, n_blocks,
                                              tl.where(known, 0, n_blocks), least, row, chunk, BLOCK,
                                              BLOCKS_PER_CHUNK)
+        partial = Partials + ((row * 2 + step % 2) * n_chunks + chunk) * RADIX
         if anything:
             kept = read & (key >= kept_floor)
             weight = tl.where(kept, tl.exp(x - m), 0.0) if MASS else kept.to(tl.float32)
+            candidate = prefix
             for i in tl.static_range(RADIX):
-                above = tl.where(key >= prefix + step_size * i, weight, 0.0)
-                partial = tl.where(d == i, tl.sum(above), partial)
-        partial = tl.where(known & (chunk == 0) & (d <= digit), float("inf"), partial)
-    tl.store(Partials + ((row * 2 + step % 2) * n_chunks + chunk) * RADIX + d, partial)
+                if i > 0:  # (not past the last: it would wrap)
+                    candidate += step_size
+                tl.store(partial + i, tl.sum(tl.where(key >= candidate, weight, 0.0)))
+        else:  # nothing read: no weight here, or the digit known (every candidate up to it reached)
+            tl.store(partial + d, tl.where(known & (chunk == 0) & (d <= digit), float("inf"), 0.0))
 
 
 @triton.jit(do_not_specialize=["step", "top_k_searched", "top_p_searched"])
