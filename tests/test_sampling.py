@@ -411,15 +411,15 @@ def test_sampling_kernels_compile_for_sm90(kernel_name: str, extra: dict):
 
     kernel = getattr(triton_sampling, kernel_name)
     pointers = {"Logits": "*bf16", "BlockKey": "*i32", "BestIndex": "*i32"}
-    pointers.update({name: "*fp32" for name in ("InvTemperature", "TopP", "ChunkMax", "Partials", "Goal",
-                                                 "BestValue")})
+    pointers.update({name: "*fp32" for name in ("InvTemperature", "TopP", "ChunkMax", "ChunkMass", "Partials",
+                                                 "Goal", "BestValue")})
     pointers.update({name: "*i64" for name in ("TopK", "Key0", "Key1", "Steps", "State", "Out")})
-    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, DIGIT_BITS=4, **extra)  # the defaults
+    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, ROW_BLOCKS=512, DIGIT_BITS=4, **extra)  # defaults
     constexprs = {k: v for k, v in sizes.items() if k in kernel.arg_names}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False})
+                              options={"num_warps": 8, "num_stages": 1, "enable_fp_fusion": False})
     assert compiled.asm["cubin"]
 
 

@@ -342,6 +342,7 @@ def _pick_kernel(InvTemperature, Steps, BestValue, BestIndex, Out, n_chunks, CHU
     if tl.load(InvTemperature + row) != 0.0:
         tl.store(Steps + row, tl.load(Steps + row) + 1)
 
+
 def sample_rows(logits: torch.Tensor, rows: SamplingRows, **config: int) -> torch.Tensor:
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]` under `rows`' parameters (see
     `hf_radix.sampling.SamplingRows`); advances sampled rows' steps. `config`: `sample_rows_and_floors`'."""
