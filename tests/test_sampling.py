@@ -414,7 +414,7 @@ def test_sampling_kernels_compile_for_sm90(kernel_name: str, extra: dict):
     pointers.update({name: "*fp32" for name in ("InvTemperature", "TopP", "ChunkMax", "ChunkMass", "Partials",
                                                  "Goal", "BestValue")})
     pointers.update({name: "*i64" for name in ("TopK", "Key0", "Key1", "Steps", "State", "Out")})
-    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, ROW_BLOCKS=512, DIGIT_BITS=4, **extra)  # defaults
+    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, BOUND_BLOCKS=512, DIGIT_BITS=4, **extra)
     constexprs = {k: v for k, v in sizes.items() if k in kernel.arg_names}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),

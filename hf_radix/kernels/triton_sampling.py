@@ -128,20 +128,23 @@ def _total_mass(ChunkMax, ChunkMass, row, n_chunks, m, CHUNKS: tl.constexpr):
 
 @triton.jit
 def _bound_digit(BlockKey, row, n_blocks, prefix, step_size, kept_floor, need, m, MASS: tl.constexpr,
-                 ROW_BLOCKS: tl.constexpr, RADIX: tl.constexpr):
-    """The largest candidate whose weight is at least `need` counting the block maxima alone (-1: none).
-    Each block maximum is one of the tokens a launch sums, so the launch's own sum reaches it too."""
-    b = tl.arange(0, ROW_BLOCKS)
-    keys = tl.load(BlockKey + row * n_blocks + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
-    counted = (b < n_blocks) & (keys >= kept_floor)
-    if MASS:
-        sign = tl.full(keys.shape, 0x80000000, tl.uint32)
-        value = tl.where(keys >= sign, keys ^ sign, ~keys).to(tl.float32, bitcast=True)  # `_order_key` undone
-        weight = tl.where(counted, tl.exp(value - m), 0.0)
-    else:
-        weight = counted.to(tl.float32)
+                 BOUND_BLOCKS: tl.constexpr, RADIX: tl.constexpr):
+    """The largest candidate whose weight is at least `need` counting the block maxima alone (-1: none),
+    `BOUND_BLOCKS` of them at a time. Each block maximum is one of the tokens a launch sums, so the
+    launch's own sum reaches the bound too."""
     candidates = prefix + step_size * tl.arange(0, RADIX).to(tl.uint32)
-    bound = tl.sum(tl.where(keys[:, None] >= candidates[None, :], weight[:, None], 0.0), axis=0)
+    bound = tl.zeros([RADIX], tl.float32)
+    for first in range(0, n_blocks, BOUND_BLOCKS):
+        b = first + tl.arange(0, BOUND_BLOCKS)
+        keys = tl.load(BlockKey + row * n_blocks + b, mask=b < n_blocks, other=0).to(tl.uint32, bitcast=True)
+        counted = (b < n_blocks) & (keys >= kept_floor)
+        if MASS:
+            sign = tl.full(keys.shape, 0x80000000, tl.uint32)
+            value = tl.where(keys >= sign, keys ^ sign, ~keys).to(tl.float32, bitcast=True)  # the key undone
+            weight = tl.where(counted, tl.exp(value - m), 0.0)
+        else:
+            weight = counted.to(tl.float32)
+        bound += tl.sum(tl.where(keys[:, None] >= candidates[None, :], weight[:, None], 0.0), axis=0)
     return tl.sum((bound >= need).to(tl.int32), axis=0) - 1  # the bound falls with the candidate
 
 
@@ -200,7 +203,7 @@ def _block_max_kernel(Logits, stride_row, n_cols, InvTemperature, BlockKey, Chun
 def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockKey, ChunkMax, ChunkMass,
                   Partials, State, Goal, n_blocks, n_chunks, step, top_k_searched, MASS: tl.constexpr,
                   BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                  ROW_BLOCKS: tl.constexpr, DIGIT_BITS: tl.constexpr):
+                  BOUND_BLOCKS: tl.constexpr, DIGIT_BITS: tl.constexpr):
     """Launch `step` of the threshold searches: top-k's digits (MASS=False), then top-p's (MASS=True; when
     `top_k_searched` is 0, top-k's launches did not run and every row keeps all its tokens before top-p).
 
@@ -259,7 +262,7 @@ def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockK
         if known_goal:  # fp32 sums of other orders: the bound must clear the goal by a margin
             need = goal * (1.0 + 2.0**-10) if MASS else goal
             digit = _bound_digit(BlockKey, row, n_blocks, prefix, step_size, kept_floor, need, m, MASS,
-                                 ROW_BLOCKS, RADIX)
+                                 BOUND_BLOCKS, RADIX)
             if digit >= 0:
                 least = tl.maximum(prefix + step_size * digit.to(tl.uint32), kept_floor)
         highest = tl.minimum((_order_key(m) - prefix) >> shift, RADIX - 1).to(tl.int32)  # m's candidate
@@ -395,6 +398,7 @@ def sample_rows_and_floors(
     sizes = dict(BLOCK=block, BLOCKS_PER_CHUNK=blocks_per_chunk)
     searches = dict(sizes, CHUNKS=triton.next_power_of_2(n_chunks), DIGIT_BITS=digit_bits)
     warps = min(num_warps, max(1, block * blocks_per_chunk // 256))
+    bound_blocks = min(triton.next_power_of_2(n_blocks), 64 * warps)  # 32 values a thread at 16 candidates
     row_args = (logits, logits.stride(0), vocab, rows.inv_temperature)
     _block_max_kernel[grid](*row_args, block_key, chunk_max, chunk_mass, n_blocks, n_chunks, **sizes,
                             num_warps=warps)
@@ -403,7 +407,7 @@ def sample_rows_and_floors(
     for step in steps:
         _digit_kernel[grid](*row_args, rows.top_k, rows.top_p, block_key, chunk_max, chunk_mass, partials,
                             state, goal, n_blocks, n_chunks, step, int(rows.top_k_used), MASS=step >= levels,
-                            ROW_BLOCKS=triton.next_power_of_2(n_blocks), **searches, num_warps=warps)
+                            BOUND_BLOCKS=bound_blocks, **searches, num_warps=warps)
     _gumbel_max_kernel[grid](
         *row_args, rows.top_k, rows.top_p, rows.seed_keys[0], rows.seed_keys[1], rows.steps, block_key,
         chunk_max, partials, state, goal, best_value, best_index, n_blocks, n_chunks, (steps or [-1])[-1] + 1,
