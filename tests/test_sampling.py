@@ -313,7 +313,7 @@ def _interp_skipped_searches_change_nothing() -> dict[str, Any]:
         if "top_p" in off:
             case["top_p"][case["inv_temperature"] != 0] = 1.0
         before = case["steps"].clone()
-        config = dict(digit_bits=8, block=16, chunk=32, num_warps=1)  # two chunks a row
+        config = dict(digit_bits=4, block=16, chunk=32, num_warps=1)  # two chunks a row
         full = sample_rows_and_floors(case["logits"], rows_of(case), **config)
         advanced, case["steps"] = case["steps"], before.clone()
         used = {f"{search}_used": search not in off for search in ("top_k", "top_p")}
@@ -352,7 +352,7 @@ def _interp_kernel_frequencies() -> dict[str, Any]:
     probs /= probs.sum()
     rows = SamplingRows(torch.ones(draws), torch.full((draws,), 4), torch.full((draws,), 0.8),
                         torch.from_numpy(seed_keys(range(draws))), torch.zeros(draws, dtype=torch.int64))
-    tokens = sample_rows(logits, rows, digit_bits=8)  # 4 passes per threshold: the interpreter is slow
+    tokens = sample_rows(logits, rows, digit_bits=4)  # 16 candidates a pass: the interpreter is slow at 256
     counts = torch.bincount(tokens, minlength=6).double()
     chi2 = float(((counts[:3] - draws * probs) ** 2 / (draws * probs)).sum())
     return {"ok": counts[3:].sum() == 0 and chi2 < 13.8, "counts": counts.tolist(), "chi2": chi2}  # p=0.001
