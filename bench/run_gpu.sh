@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 for step in "$@"; do
   if [ "$step" != tests ]; then TRITON_CACHE_DIR=$(mktemp -d); export TRITON_CACHE_DIR; fi
   case $step in
-    tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -n 6 --tb=short tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    tests) timeout 260 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -n 6 --tb=short tests/ 2>&1 | tee "$OUT/gpu_tests.log" ;;
     profile) timeout 300 python3 bench/profile_runs.py 2>&1 | tee "$OUT/profile.log" ;;
     profiledecode) timeout 200 python3 bench/profile_runs.py --part decode 2>&1 | tee "$OUT/profile_decode.log" ;;
     gsp) timeout 230 python3 bench/gsp.py --groups16 --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
@@ -18,8 +18,8 @@ for step in "$@"; do
     warm) timeout 150 python3 bench/warm_start_bench.py --workloads score_bench --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
     chat) timeout 200 python3 bench/chat_bench.py --configs unbounded,host_tier --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
     chatnotier) timeout 100 python3 bench/chat_bench.py --configs unbounded,no_tier --out "$OUT/chat_bench_no_tier.json" 2>&1 | tee "$OUT/chat_bench_no_tier.log" ;;
-    sampling) timeout 45 python3 bench/sampling_bench.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" ;;
+    sampling) timeout 100 python3 bench/sampling_bench.py --json "$OUT/sampling.json" --gsp-json bench/results/gsp_h200.json 2>&1 | tee "$OUT/sampling.log" ;;
     sharedprefix) timeout 100 python3 bench/shared_prefix_bench.py --out "$OUT/shared_prefix_bench.json" 2>&1 | tee "$OUT/shared_prefix_bench.log" ;;
-    warmtests) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
+    warmtests) timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
   esac
 done
