@@ -37,7 +37,7 @@ from transformers.utils import logging
 from .forward_batch import ForwardBatch, GraphInputs, StepRows, build_forward_batch, load_graph_inputs
 from .fused_ops import fused_norm_and_rope
 from .page_table import PADDING_ROW
-from .shared_decode import MAX_PREFIX_SPLITS, DecodeShare, SharedPrefixDecode, decode_cost
+from .shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -232,7 +232,7 @@ class DecodeGraphs(_CapturedForwards):
         super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
         cost = decode_cost(engine) if shared_prefix else None
-        # graphs keyed (rows, rows, MAX_PREFIX_SPLITS) read it, one per batch size of two rows or more
+        # graphs keyed (rows, rows, its graph_prefix_splits) read it, one per batch size of two rows or more
         self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch, captured=True)
         self._padded: tuple[int, tuple, tuple] | None = None  # see `_pad`
 
@@ -249,7 +249,7 @@ class DecodeGraphs(_CapturedForwards):
         per_row = [(s, s) for s in self.sizes]
         if self.shared is None:
             return per_row
-        return per_row + [(s, s, MAX_PREFIX_SPLITS) for s in self.sizes if s >= 2]
+        return per_row + [(s, s, self.shared.graph_prefix_splits) for s in self.sizes if s >= 2]
 
     def _pad(self, size: int, step: StepRows) -> StepRows:
         """`step` padded to `size` rows, each wanting its logits; padded rows read their id (0) from the
@@ -295,7 +295,8 @@ class DecodeGraphs(_CapturedForwards):
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
         if len(key) == 2:
             return batch
-        return dataclasses.replace(batch, shared_prefix=DecodeShare(self.shared.buffers, key[0], key[2]))
+        share = DecodeShare(self.shared.buffers, key[0], key[2], self.shared.mode)
+        return dataclasses.replace(batch, shared_prefix=share)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.shared_prefix is not None:

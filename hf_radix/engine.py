@@ -28,6 +28,7 @@ from .placement import (
     pool_devices,
     require_one_device,
 )
+from .prefix_groups import MODES
 from .stats import RadixStats
 from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
@@ -55,6 +56,9 @@ class EngineOptions:
     fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels (CUDA)
     warm_up: bool = True  # the first radix generate captures every graph and compiles kernels (else lazily)
     shared_prefix: bool = True  # decode reads a prefix shared by rows once per group (Triton, cost rule)
+    # its launch order (equal results; `kernels.triton_shared_prefix.MODES`): "overlap" runs the prefix
+    # launch beside the suffix launch, then merges; "fold" runs them one after the other
+    shared_prefix_mode: str = "overlap"
     host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
     host_cache_gb: float | None = None  # or its size in GB
 
@@ -63,6 +67,8 @@ class EngineOptions:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.shared_prefix_mode not in MODES:
+            raise ValueError(f"shared_prefix_mode must be one of {MODES}, got {self.shared_prefix_mode!r}")
 
 
 class RadixEngine:
@@ -302,7 +308,7 @@ def _announce_pool(
 # core) and keeps its cache.
 _BACKEND_OPTIONS = (
     "attn_backend", "store_backend", "cuda_graph", "cuda_graph_max_batch", "fused_ops", "warm_up",
-    "shared_prefix",
+    "shared_prefix", "shared_prefix_mode",
 )
 
 

@@ -24,6 +24,8 @@ from .staging import aligned_offsets, aligned_views
 
 logger = logging.get_logger(__name__)
 
+MODES = ("fold", "merge", "overlap", "fused")  # launch orders of shared-prefix attention (equal results)
+
 TILE_FIELDS = 5  # kv_start, kv_pos0, kv_len, q_start, q_len (hf_radix.kernels.triton_shared_prefix)
 _INT32_MAX = np.iinfo(np.int32).max
 

@@ -32,27 +32,18 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 MAX_PREFIX_SPLITS = 8
-# How the decode attention orders its launches (`hf_radix.kernels.triton_shared_prefix.MODES`, equal
-# results): "fold" (the prefix launch, then the suffix launch folding the prefix parts in), "overlap" (the
-# prefix launch on a side stream beside the suffix launch, then a merge), "fused" (one launch, then a
-# merge), "merge". Read when a batch's attention is set up, so graphs are captured with it.
-DECODE_MODE = "fold"
-
-
-def _decode_mode() -> str:
-    return DECODE_MODE
 
 
 @dataclass(frozen=True)
 class DecodeShare:
     """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
     the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph), and
-    the launch order (`DECODE_MODE`)."""
+    the launch order (the engine's `shared_prefix_mode`: "fold", "overlap", "fused" or "merge")."""
 
     buffers: SharedPrefixBuffers
     rows: int
     prefix_splits: int
-    mode: str = dataclasses.field(default_factory=_decode_mode)
+    mode: str = "fold"
 
     def refresh(self, batch: ForwardBatch) -> None:
         """This step's query positions and slot ranges, from the batch's device metadata (once a step)."""
@@ -106,8 +97,10 @@ class SharedPrefixDecode:
 
     `share` is called once a step; it rebuilds the plan only when the batch's rows (or their locks)
     changed. ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
-    ``captured``: the attention is launched inside CUDA graphs, with `MAX_PREFIX_SPLITS` programs a prefix
-    tile whatever the plan's split count (the kernels read it from the buffers): one graph per batch size.
+    ``captured``: the attention is launched inside CUDA graphs, with `graph_prefix_splits` programs a
+    prefix tile whatever the plan's split count (the kernels read it from the buffers): one graph per batch
+    size. Beside the suffix launch ("overlap") a prefix needs no split to fill the GPU: one, and no more
+    programs; the other orders split it as `prefix_splits` says, up to `MAX_PREFIX_SPLITS`.
     """
 
     def __init__(self, engine: RadixEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
@@ -116,6 +109,7 @@ class SharedPrefixDecode:
         self.cost = cost
         self.grow = grow
         self.captured = captured
+        self.mode = engine.options.shared_prefix_mode
         self.buffers = self._buffers(max_rows)
         self.steps = 0  # decode steps that read shared prefixes once per group
         self.plans = 0  # plans built (batch membership changes)
@@ -170,11 +164,19 @@ class SharedPrefixDecode:
 
     def _load(self, plan: SharedPrefixPlan, rows: int, splits: int) -> DecodeShare:
         self.buffers.load(plan, prefix_splits=splits)
-        return DecodeShare(self.buffers, rows, MAX_PREFIX_SPLITS if self.captured else splits)
+        launched = self.graph_prefix_splits if self.captured else splits
+        return DecodeShare(self.buffers, rows, launched, self.mode)
+
+    @property
+    def graph_prefix_splits(self) -> int:
+        """Prefix programs a tile launches in a captured graph."""
+        return 1 if self.mode == "overlap" else MAX_PREFIX_SPLITS
 
     def _splits(self, plan: SharedPrefixPlan) -> int:
         from .kernels.triton_attention_common import _sm_count
 
+        if self.mode == "overlap":
+            return 1
         return prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
                              _sm_count(self.engine.device))
 

@@ -210,18 +210,17 @@ def _force_shared(planner) -> None:
      ("gemma2", 16, False, "fold"), ("llama", 1, True, "overlap"), ("gemma2", 16, True, "fused"),
      ("llama", 16, False, "overlap"), ("gemma2", 1, True, "merge")],
 )
-def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, cuda_graph: bool, mode: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, cuda_graph: bool,
+                                                     mode: str) -> None:
     """Groups of rows behind two system prompts, rows joining and finishing: HF's greedy tokens, with
     shared-prefix decode steps replayed from graphs (or eager), several plans, in each launch order."""
     from conftest import random_ids
 
-    from hf_radix import RadixBatchRunner, SamplingParams, shared_decode
+    from hf_radix import RadixBatchRunner, SamplingParams, configure
     from hf_radix.tiny import tiny_model
 
-    monkeypatch.setattr(shared_decode, "DECODE_MODE", mode)
-
     model = tiny_model(arch).cuda()
+    configure(model, shared_prefix_mode=mode)
     runner = RadixBatchRunner(model, page_size=page_size, max_total_tokens=8192, attn_backend="triton",
                               cuda_graph=cuda_graph, max_running_requests=12, warm_up=False)
     core = runner.model_runner

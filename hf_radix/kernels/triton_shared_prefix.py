@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..prefix_groups import TILE_FIELDS, SharedPrefixBuffers
+from ..prefix_groups import MODES, TILE_FIELDS, SharedPrefixBuffers
 from . import interpreting
 from .triton_attention_common import (
     _check_common,
@@ -61,7 +61,6 @@ from .triton_decode import _decode_config
 
 __all__ = ["MODES", "shared_prefix_attention", "tile_config"]
 
-MODES = ("fold", "merge", "overlap", "fused")  # launch orders of shared_prefix_attention (equal results)
 
 _SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
