@@ -18,7 +18,7 @@ for step in "$@"; do
     warm) timeout 150 python3 bench/warm_start_bench.py --workloads score_bench --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
     chat) timeout 200 python3 bench/chat_bench.py --configs unbounded,host_tier --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
     chatnotier) timeout 100 python3 bench/chat_bench.py --configs unbounded,no_tier --out "$OUT/chat_bench_no_tier.json" 2>&1 | tee "$OUT/chat_bench_no_tier.log" ;;
-    sampling) timeout 100 python3 bench/sampling_bench.py --rows 256 --steps 20 --json "$OUT/sampling.json" --gsp-json bench/results/gsp_h200.json 2>&1 | tee "$OUT/sampling.log" ;;
+    sampling) timeout 60 python3 bench/sampling_bench.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" ;;
     sharedprefix) timeout 100 python3 bench/shared_prefix_bench.py --out "$OUT/shared_prefix_bench.json" 2>&1 | tee "$OUT/shared_prefix_bench.log" ;;
     warmtests) timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
   esac

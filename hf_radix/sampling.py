@@ -4,9 +4,8 @@ The sampler's random numbers are counter-based: the noise of vocabulary entry `j
 sampled token is a hash of (the request's seed, `n`, `j`). So a seeded request samples the same tokens
 whatever its batch-mates and their order. A step is a fixed number of Triton launches on a GPU
 (`hf_radix.kernels.triton_sampling`, no sort of the vocabulary) or a fixed handful of torch ops elsewhere
-(`sample_rows_torch`, the same rule and the same noise), whatever the batch (on a GPU: per kind of
-batch, as searches no sampled row needs, top-k's or top-p's, are not launched). Each row's parameters
-are staged into device buffers once per change of the batch's requests, never per step.
+(`sample_rows_torch`, the same rule and the same noise), whatever the batch. Each row's parameters are
+staged into device buffers once per change of the batch's requests, never per step.
 
 The rule, per sampled row, on `x = logits.float() * (1 / temperature)`: top-k keeps the tokens whose `x`
 is at least the k-th largest (ties at it all kept, as HF's `TopKLogitsWarper`); top-p then keeps, of
@@ -23,7 +22,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -157,25 +155,19 @@ def kept_threshold(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
     return torch.where(top_p[:, None] < 1.0, torch.maximum(kth, nucleus), kth)
 
 
-class SamplingRows(NamedTuple):
-    """Each row's sampling parameters on the device, as the samplers read them."""
-
-    inv_temperature: torch.Tensor  # [B] fp32; 0: greedy
-    top_k: torch.Tensor  # [B] int64; >= vocab: off
-    top_p: torch.Tensor  # [B] fp32; 1: off
-    seed_keys: torch.Tensor  # [2, B] int64 (`seed_keys`)
-    steps: torch.Tensor  # [B] int64: tokens each row has sampled so far
-    top_k_used: bool = True  # False: no sampled row uses top-k (the kernels skip its search)
-    top_p_used: bool = True  # False: no sampled row uses top-p
-
-
-def sample_rows_torch(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
-    """`triton_sampling.sample_rows` in torch ops (with a sort); does not advance `rows.steps`."""
-    greedy = rows.inv_temperature == 0.0
-    x = logits.float() * rows.inv_temperature.masked_fill(greedy, 1.0)[:, None]
-    scores = x + gumbel_noise(row_keys(rows.seed_keys, rows.steps), column_keys(x.shape[-1], x.device))
-    dropped = x < kept_threshold(x, rows.top_k, rows.top_p)
-    sampled = scores.masked_fill_(dropped, float("-inf")).argmax(dim=-1)
+def sample_rows_torch(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seed_keys: torch.Tensor,
+    steps: torch.Tensor,
+) -> torch.Tensor:
+    """`triton_sampling.sample_rows` in torch ops (with a sort); does not advance `steps`."""
+    greedy = inv_temperature == 0.0
+    x = logits.float() * inv_temperature.masked_fill(greedy, 1.0)[:, None]
+    scores = x + gumbel_noise(row_keys(seed_keys, steps), column_keys(x.shape[-1], x.device))
+    sampled = scores.masked_fill_(x < kept_threshold(x, top_k, top_p), float("-inf")).argmax(dim=-1)
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
@@ -200,8 +192,12 @@ class _StagedBatch:
     """Device copies of the parameters of one batch's rows (greedy rows: inverse temperature 0)."""
 
     uids: tuple[int, ...]
-    sampled_uids: tuple[int, ...] = ()  # none: an all-greedy batch (`rows` is then None)
-    rows: SamplingRows | None = None  # steps advanced on the device
+    sampled_uids: tuple[int, ...] = ()  # none: an all-greedy batch (the tensors below are then None)
+    inv_temperature: torch.Tensor | None = None  # [B] fp32
+    top_p: torch.Tensor | None = None  # [B] fp32
+    top_k: torch.Tensor | None = None  # [B] int64; int64 max where disabled
+    seed_keys: torch.Tensor | None = None  # [2, B] int64
+    steps: torch.Tensor | None = None  # [B] tokens each row has sampled so far; advanced on the device
     calls: int = 0  # sample calls since staging
 
 
@@ -232,13 +228,14 @@ class Sampler:
             staged = self._stage(params, uids)
         if not staged.sampled_uids:
             return logits.argmax(dim=-1)
+        args = (staged.inv_temperature, staged.top_k, staged.top_p, staged.seed_keys, staged.steps)
         if _kernel_runs_on(logits):
             from .kernels.triton_sampling import sample_rows
 
-            tokens = sample_rows(logits, staged.rows)  # advances staged.rows.steps
+            tokens = sample_rows(logits, *args)  # advances staged.steps
         else:
-            tokens = sample_rows_torch(logits, staged.rows)
-            staged.rows = staged.rows._replace(steps=staged.rows.steps + 1)
+            tokens = sample_rows_torch(logits, *args)
+            staged.steps = staged.steps + 1
         staged.calls += 1
         return tokens
 
@@ -276,19 +273,16 @@ class Sampler:
         with torch.inference_mode(False):  # the kernel advances `steps` in place, in any grad mode
             ints_dev = to_device(ints, self.device)
             floats_dev = to_device(floats, self.device, torch.float32)
-        rows = SamplingRows(
-            inv_temperature=floats_dev[0], top_k=ints_dev[0], top_p=floats_dev[1], seed_keys=ints_dev[1:3],
-            steps=ints_dev[3], top_k_used=any(params[i].top_k > 0 for i in sampled),
-            top_p_used=any(params[i].top_p < 1.0 for i in sampled),
+        self._staged = _StagedBatch(
+            uids, sampled_uids, inv_temperature=floats_dev[0], top_p=floats_dev[1], top_k=ints_dev[0],
+            seed_keys=ints_dev[1:3], steps=ints_dev[3],
         )
-        self._staged = _StagedBatch(uids, sampled_uids, rows)
         return self._staged
 
 
 def warm_up_sampling(logits: torch.Tensor) -> None:
     """Compiles what sampling rows of `logits`' dtype and device runs (a seeded top-k + top-p row, a greedy
-    one: every kernel any batch launches), so that a first seeded step compiles nothing; the rows' own
-    draws are thrown away."""
+    one), so that a first seeded step compiles nothing; the rows' own draws are thrown away."""
     rows = logits[-1:].expand(2, -1).contiguous()
     params = [SamplingParams(max_new_tokens=1, temperature=0.7, top_p=0.9, top_k=5, seed=0),
               SamplingParams(max_new_tokens=1)]
