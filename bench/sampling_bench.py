@@ -4,8 +4,9 @@ For each `--rows`, requests each with its own seed (temperature, top-p, optional
 bf16 `[rows, vocab]` logits; the batch is staged once, then `--steps` steps are timed with CUDA events.
 Reported per batch size: `greedy_ms` (argmax), `sampled_ms` (the kernels, every row seeded), `mixed_ms`
 (every other row greedy), `top_k_ms` (also top-k 50, transformers' sampling default), `fp32_ms` (as
-`sampled_ms` on fp32 logits), `torch_ms` (the sort-based torch path, kept as the CPU fallback), the CUDA
-kernels launched per step (`kernels_per_step`, from the profiler: the same at every batch size),
+`sampled_ms` on fp32 logits), `torch_ms` (the sort-based torch path, kept as the CPU fallback), each CUDA
+kernel of a step in launch order with its time (`launches`, `top_k_launches`: from the profiler) and their
+count (`kernels_per_step`: the same at every batch size),
 `torch_disagreeing_rows` (rows whose token differs from the torch path's: only where a token sits within
 float rounding of the nucleus boundary, ~0) and `sampled_ms` as a share of a greedy decode step
 (`--decode-step-ms`: the goal is within 10%). `tuning` times the kernels' configurations (digit bits,
@@ -16,6 +17,7 @@ Run `python bench/sampling_bench.py --json PATH` on a GPU.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -43,13 +45,16 @@ def _time_ms(fn, steps: int) -> float:
     return start.elapsed_time(end) / steps
 
 
-def _kernels_per_step(fn) -> int:
+def _launch_breakdown(fn) -> list[dict]:
+    """Each CUDA kernel of one call in launch order, with its device time (us), from the profiler."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    return [{"kernel": e.name, "us": e.time_range.elapsed_us()} for e in kernels]
 
 
 def _staged_sampler(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[Sampler, object]:
@@ -82,8 +87,9 @@ def _one_size(rows: int, args: argparse.Namespace) -> dict:
         "top_k_ms": _time_ms(_staged_sampler(logits, params(top_k=50))[1], args.steps),
         "fp32_ms": _time_ms(_staged_sampler(logits.float(), params())[1], args.steps),
         "torch_ms": _time_ms(lambda: sample_rows_torch(logits, *staged), max(3, args.steps // 10)),
-        "kernels_per_step": _kernels_per_step(step),
-        "greedy_kernels_per_step": _kernels_per_step(lambda: logits.argmax(-1)),
+        "launches": _launch_breakdown(step),
+        "greedy_kernels_per_step": len(_launch_breakdown(lambda: logits.argmax(-1))),
+        "top_k_launches": _launch_breakdown(_staged_sampler(logits, params(top_k=50))[1]),
     }
     want = sample_rows_torch(logits, *staged)  # before the kernel advances the steps
     before = staged[-1].clone()
@@ -92,13 +98,14 @@ def _one_size(rows: int, args: argparse.Namespace) -> dict:
     result["repeat_identical"] = bool(torch.equal(sample_rows(logits, *staged), got))  # no atomics: True
     result["torch_disagreeing_rows"] = int((want != got).sum())  # near the nucleus boundary only: ~0
     result["distinct_tokens"] = int(got.unique().numel())
+    result["kernels_per_step"] = len(result["launches"])
     result["sampled_share_of_decode_step"] = result["sampled_ms"] / args.decode_step_ms
     return result
 
 
 _CONFIGS = (  # digit_bits, block, chunk, num_warps; the first is sample_rows' default
-    (4, 256, 4096, 4), (4, 256, 2048, 4), (4, 256, 8192, 4), (4, 128, 4096, 2), (4, 512, 4096, 8),
-    (4, 512, 8192, 8), (4, 1024, 8192, 16), (2, 256, 4096, 4), (2, 512, 8192, 8),
+    (4, 64, 2048, 1), (4, 256, 4096, 4), (4, 128, 4096, 2), (4, 64, 1024, 1), (4, 32, 1024, 1),
+    (4, 64, 2048, 2), (4, 64, 4096, 1), (4, 128, 2048, 1), (2, 64, 2048, 1), (2, 128, 4096, 2),
 )
 
 
@@ -110,10 +117,8 @@ def _tuning(rows: int, args: argparse.Namespace) -> list[dict]:
                   for i in range(rows)]
         staged = _kernel_args(_staged_sampler(logits, params)[0])
         for digit_bits, block, chunk, warps in _CONFIGS:
-            def fn(staged=staged, digit_bits=digit_bits, block=block, chunk=chunk, warps=warps):
-                return sample_rows(logits, *staged, digit_bits=digit_bits, block=block, chunk=chunk,
-                                   num_warps=warps)
-
+            fn = functools.partial(sample_rows, logits, *staged, top_k_rows=top_k > 0, digit_bits=digit_bits,
+                                   block=block, chunk=chunk, num_warps=warps)
             out.append(dict(top_k=top_k, digit_bits=digit_bits, block=block, chunk=chunk, num_warps=warps,
                             ms=_time_ms(fn, args.steps)))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -35,6 +36,7 @@ import triton.testing
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from hf_radix.engine import EngineOptions  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
 from hf_radix.kernels import triton_attention_common as tac  # noqa: E402
 from hf_radix.kernels import triton_shared_prefix as sp  # noqa: E402
@@ -46,6 +48,8 @@ HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, one layer, bf16
 DEVICE = "cuda"  # the decode part's (a CPU smoke test of this script runs it under the interpreter)
+DEFAULT_MODE = EngineOptions.shared_prefix_mode  # the engine's launch order (a dataclass default)
+OVERLAP_SPLITS = 1  # the split count the runner gives a prefix beside the suffix launch (shared_decode)
 
 
 def graph_ms(fn: Any) -> float:
@@ -97,13 +101,14 @@ def shared_fn(case: dict[str, Any], q: torch.Tensor, new_lens: np.ndarray, prefi
               suffix_splits: int, mode: str = "fold", captured: bool = False,
               tile_rows: int = 128) -> tuple[Any, dict[str, Any]]:
     """One shared-prefix attention call. ``captured``: as in the runner's decode graphs -- buffers sized for
-    the batch, the tables' split count ``prefix_splits`` on the device, the launch's MAX_PREFIX_SPLITS."""
+    the batch, the tables' split count ``prefix_splits`` on the device, the launch's MAX_PREFIX_SPLITS (one
+    beside the suffix launch, "overlap")."""
     plan, ruled = plan_of(case, new_lens, prefix_splits, tile_rows)
     if captured:
         rows = len(new_lens)
         tiles = SharedPrefixBuffers(rows, rows, plan.prefix_tile_q, plan.suffix_tile_q, DEVICE)
         tiles.load(plan, prefix_splits=prefix_splits)
-        launched = MAX_PREFIX_SPLITS
+        launched = OVERLAP_SPLITS if mode == "overlap" else MAX_PREFIX_SPLITS
     else:
         tiles, launched = SharedPrefixBuffers.from_plan(plan, DEVICE), prefix_splits
     pool, out = case["pool"], torch.empty_like(q)
@@ -171,38 +176,47 @@ def _cfg(block_n: int, warps: int, stages: int, maxnreg: int | None = None) -> d
 # suffix default (64, 4 warps): 122 -> 4; (16, 4): 96 -> 5; (32, 4): 110 -> 4; (64, 8): 92 -> 2 of 8 warps;
 # maxnreg 96: 5 (32 bytes of spill). Prefix default (64, 8 warps): 231 -> 1, leaving no room for a suffix
 # program beside it (overlap); maxnreg 160: no spill, one suffix program beside; 128: 88 bytes spill, two.
-SUFFIX_CFGS = [_cfg(16, 4, 3), _cfg(32, 4, 3), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 4),
+SUFFIX_CFGS = [_cfg(32, 4, 3), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 4), _cfg(64, 4, 4, 96),
                _cfg(64, 4, 3, 96)]
-PREFIX_CFGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, 128), _cfg(32, 8, 3, 160)]
+PREFIX_CFGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, 128), _cfg(64, 8, 3, 96), _cfg(32, 8, 3, 160)]
 
 
 def decode_variants(runner_splits: int, quick: bool, full: bool) -> list[dict[str, Any]]:
-    """(mode, prefix splits, suffix splits, cfg override, captured) of each timed variant."""
+    """(mode, prefix splits, suffix splits, cfg override, captured) of each timed variant; the first is the
+    engine's default (`default_variant`)."""
     def v(mode: str, splits: int = runner_splits, suffix: int = 1, cfg: dict | None = None,
           captured: bool = False, tile_rows: int = 128) -> dict[str, Any]:
         return {"mode": mode, "prefix_splits": splits, "suffix_splits": suffix, "cfg": cfg or {},
                 "captured": captured, "tile_rows": tile_rows}
 
-    out = [v("fold"), v("fold", captured=True)]
+    default = v(DEFAULT_MODE, OVERLAP_SPLITS if DEFAULT_MODE == "overlap" else runner_splits)
+    out = [default, {**default, "captured": True}, v("fold")]
     if quick:
-        return out + [v("overlap"), v("fused")]
-    out += [v(m, captured=True) for m in ("overlap", "fused")]
+        return out
+    out += [v(m, captured=True) for m in ("fold", "fused")]
     splits = sorted({1, 2, 4, runner_splits})
-    out += [v(m, s) for s in splits for m in sp.MODES if (m, s) != ("fold", runner_splits)]
+    out += [var for var in (v(m, s) for s in splits for m in sp.MODES) if var not in out]
     if not full:
         return out
+    overlap = functools.partial(v, "overlap", OVERLAP_SPLITS)
     out += [v(m, suffix=2) for m in ("merge", "overlap", "fused")]
-    out += [v(m, cfg={16: c}) for c in SUFFIX_CFGS for m in ("fold", "overlap")]
-    out += [v("fused", cfg={16: c}) for c in SUFFIX_CFGS[:2]]
-    out += [v("overlap", cfg={128: c}) for c in PREFIX_CFGS]
-    out += [v("overlap", cfg={128: PREFIX_CFGS[1], 16: c}) for c in (SUFFIX_CFGS[0], SUFFIX_CFGS[-1])]
+    out += [overlap(cfg={16: c}) for c in SUFFIX_CFGS]
+    out += [overlap(cfg={128: c}) for c in PREFIX_CFGS]
+    out += [overlap(cfg={128: p, 16: c}) for p in PREFIX_CFGS[1:] for c in SUFFIX_CFGS[-2:]]
+    out += [overlap(cfg={128: PREFIX_CFGS[1], 16: SUFFIX_CFGS[-1]}, captured=True)]
     # prefix tiles of 64 (query, head) rows: two a group of 32 rows (its prefix read twice, the second
     # time from L2), lighter programs
-    out += [v(m, tile_rows=64, cfg={64: _cfg(32, 4, 3)}) for m in ("fold", "overlap", "fused")]
+    out += [v(m, tile_rows=64, cfg={64: _cfg(32, 4, 3)}) for m in ("fold", "overlap")]
     # two prefix programs an SM (registers capped): more prefix splits pay
     out += [v("fold", s, cfg={128: PREFIX_CFGS[1]}) for s in (2, 4)]
-    out += [v("fused", 4, cfg={128: PREFIX_CFGS[1]})]
     return out
+
+
+def default_variant(var: dict[str, Any], runner_splits: int) -> bool:
+    """Whether `var` is the launch the engine makes by default (eagerly)."""
+    splits = OVERLAP_SPLITS if DEFAULT_MODE == "overlap" else runner_splits
+    return (var["mode"] == DEFAULT_MODE and var["prefix_splits"] == splits and var["suffix_splits"] == 1
+            and not var["cfg"] and not var["captured"] and var["tile_rows"] == 128)
 
 
 def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8, 32, 2048, 256)) -> dict:
@@ -253,8 +267,7 @@ def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8
         if var["mode"] == "fold" and not var["cfg"] and not var["captured"] and var["tile_rows"] == 128:
             fold_out.setdefault(var["prefix_splits"], out)
         base = fold_out.get(var["prefix_splits"])
-        entry.update(default=var["mode"] == "fold" and not var["cfg"] and not var["captured"]
-                     and var["prefix_splits"] == runner_splits and var["suffix_splits"] == 1,
+        entry.update(default=default_variant(var, runner_splits),
                      ms=ms, speedup=ms_row / ms, frac_peak=needed / (ms * 1e-3) / PEAK_BW,
                      rel_err_vs_per_row=err(out, ref),
                      rel_diff_vs_fold=None if base is None else err(out, base), **info)
@@ -264,8 +277,10 @@ def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8
               f"{var['cfg'] or 'default cfg'}: {ms * 1e3:7.1f} us  "
               f"x{entry['speedup']:.2f}  {entry['frac_peak']:.0%} of 4.3 TB/s (needed bytes)  "
               f"err {entry['rel_err_vs_per_row']:.1e}", flush=True)
-    res["breakdown"] = [breakdown(case, q, s, parts) for s in sorted({runner_splits, 4 if full else 0} - {0})]
-    res["default_configs"] = {bm: sp.tile_config(bm, D, DTYPE, q.device) for bm in (16, 128)}
+    res["breakdown"] = [breakdown(case, q, s, parts)
+                        for s in sorted({OVERLAP_SPLITS, runner_splits, 4 if full else 0} - {0})]
+    res["default_configs"] = {**{bm: sp.tile_config(bm, D, DTYPE, q.device) for bm in (16, 128)},
+                              "128_beside": sp.tile_config(128, D, DTYPE, q.device, beside=True)}
     return res
 
 

@@ -2,9 +2,10 @@
 
 The sampler's random numbers are counter-based: the noise of vocabulary entry `j` at a request's `n`-th
 sampled token is a hash of (the request's seed, `n`, `j`). So a seeded request samples the same tokens
-whatever its batch-mates and their order. A step is a fixed number of Triton launches on a GPU
-(`hf_radix.kernels.triton_sampling`, no sort of the vocabulary) or a fixed handful of torch ops elsewhere
-(`sample_rows_torch`, the same rule and the same noise), whatever the batch. Each row's parameters are
+whatever its batch-mates and their order. A step is a few Triton launches on a GPU
+(`hf_radix.kernels.triton_sampling`, no sort of the vocabulary; their number depends on which searches,
+top-k and top-p, the batch's rows use, never on its size) or a fixed handful of torch ops elsewhere
+(`sample_rows_torch`, the same rule and the same noise). Each row's parameters are
 staged into device buffers once per change of the batch's requests, never per step.
 
 The rule, per sampled row, on `x = logits.float() * (1 / temperature)`: top-k keeps the tokens whose `x`
@@ -198,6 +199,8 @@ class _StagedBatch:
     top_k: torch.Tensor | None = None  # [B] int64; int64 max where disabled
     seed_keys: torch.Tensor | None = None  # [2, B] int64
     steps: torch.Tensor | None = None  # [B] tokens each row has sampled so far; advanced on the device
+    top_k_rows: bool = False  # a sampled row uses top-k
+    top_p_rows: bool = False  # a sampled row uses top-p
     calls: int = 0  # sample calls since staging
 
 
@@ -232,7 +235,8 @@ class Sampler:
         if _kernel_runs_on(logits):
             from .kernels.triton_sampling import sample_rows
 
-            tokens = sample_rows(logits, *args)  # advances staged.steps
+            # advances staged.steps
+            tokens = sample_rows(logits, *args, top_k_rows=staged.top_k_rows, top_p_rows=staged.top_p_rows)
         else:
             tokens = sample_rows_torch(logits, *args)
             staged.steps = staged.steps + 1
@@ -275,7 +279,8 @@ class Sampler:
             floats_dev = to_device(floats, self.device, torch.float32)
         self._staged = _StagedBatch(
             uids, sampled_uids, inv_temperature=floats_dev[0], top_p=floats_dev[1], top_k=ints_dev[0],
-            seed_keys=ints_dev[1:3], steps=ints_dev[3],
+            seed_keys=ints_dev[1:3], steps=ints_dev[3], top_k_rows=any(params[i].top_k > 0 for i in sampled),
+            top_p_rows=any(params[i].top_p < 1.0 for i in sampled),
         )
         return self._staged
 

@@ -337,8 +337,9 @@ def _interp_sampler_on_the_kernel() -> dict[str, Any]:
     logits_of[9] = logits_of[0]
     mates = [(1, SamplingParams(temperature=1.3, seed=3)), (2, SamplingParams()),
              (3, SamplingParams(temperature=1.0, top_p=0.5, seed=11))]
+    # the last two batches: no row uses top-k (its launches are left out), then neither top-k nor top-p
     batches = [[(9, params)], [*mates, (9, params)], [(9, params), mates[0]],
-               [mates[2], (9, params), mates[1]]]
+               [mates[2], (9, params), mates[1]], [mates[2], mates[0]], [mates[1], mates[0]]]
     alone = _run(Sampler("cpu"), logits_of, [[(0, params)]] * 4)[0]
     mixed = _run(Sampler("cpu"), logits_of, batches)
     sampling._kernel_runs_on = lambda tensor: False
@@ -383,12 +384,12 @@ def test_sampling_kernels_compile_for_sm90(kernel_name: str, extra: dict):
     pointers.update({name: "*fp32" for name in ("InvTemperature", "TopP", "ChunkMax", "Partials", "Goal",
                                                  "BestValue")})
     pointers.update({name: "*i64" for name in ("TopK", "Key0", "Key1", "Steps", "State", "Out")})
-    sizes = dict(BLOCK=256, BLOCKS_PER_CHUNK=16, CHUNKS=32, DIGIT_BITS=4, **extra)  # the defaults
+    sizes = dict(BLOCK=64, BLOCKS_PER_CHUNK=32, CHUNKS=64, DIGIT_BITS=4, **extra)  # the defaults
     constexprs = {k: v for k, v in sizes.items() if k in kernel.arg_names}
     signature = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in kernel.arg_names}
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 1, "enable_fp_fusion": False})
+                              options={"num_warps": 1, "num_stages": 1, "enable_fp_fusion": False})
     assert compiled.asm["cubin"]
 
 
@@ -435,6 +436,31 @@ def test_a_staged_step_launches_the_same_kernels_whatever_the_batch_on_gpu():
         assert torch.equal(second[greedy], first[greedy])
         assert not torch.equal(first[~greedy], second[~greedy])  # the next step's noise
     assert launched == {3 + 64 // 4}, launched  # block maxima, 8 top-k and 8 top-p digits, Gumbel-max, pick
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_searches_no_row_uses_are_not_launched_and_change_no_token_on_gpu():
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_radix.kernels.triton_sampling import sample_rows
+
+    for top_k_rows, top_p_rows, launches in ((False, True, 11), (True, False, 12), (False, False, 4)):
+        case = {k: v.cuda() for k, v in rule_case(rows=64, vocab=128_256, seed=5, greedy_every=8).items()}
+        case["logits"] = case["logits"].to(torch.bfloat16)
+        if not top_k_rows:
+            case["top_k"].fill_(TOP_K_OFF)
+        if not top_p_rows:
+            case["top_p"].fill_(1.0)
+        before = case["steps"].clone()
+        want = sample_rows(**case)
+        case["steps"] = before.clone()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got = sample_rows(**case, top_k_rows=top_k_rows, top_p_rows=top_p_rows)
+            torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        assert sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) == launches
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

@@ -5,8 +5,9 @@ program per (row, chunk), so no program walks a whole row and a launch has `rows
 
 1. `_block_max_kernel`: each block's and each chunk's largest logit (the row maximum `m` of
    `x = logit * inv_temperature` is the largest chunk maximum times the scale);
-2. `_digit_kernel`, `32 / DIGIT_BITS` launches for top-k then as many for top-p: the threshold is found
-   digit by digit on the float's order-preserving 32-bit key. Launch `s` sums, per chunk, the weights
+2. `_digit_kernel`, `32 / DIGIT_BITS` launches for top-k then as many for top-p (a search no row of the
+   batch uses is not launched, but for top-p's first launch, which records top-k's floor): the threshold
+   is found digit by digit on the float's order-preserving 32-bit key. Launch `s` sums, per chunk, the weights
    at or above each of its digit's `2**DIGIT_BITS` candidate keys (1 for top-k, where the target is `k`;
    `exp(x - m)` over the top-k tokens for top-p, where it is `top_p` of their mass) into a
    `[rows, 2, chunks, candidates]` scratch (by the launch's parity). Each program of launch `s + 1` sums
@@ -277,22 +278,28 @@ def sample_rows(
     seed_keys: torch.Tensor,
     steps: torch.Tensor,
     *,
+    top_k_rows: bool = True,
+    top_p_rows: bool = True,
     digit_bits: int = 4,
-    block: int = 256,
-    chunk: int = 4096,
-    num_warps: int = 4,
+    block: int = 64,
+    chunk: int = 2048,
+    num_warps: int = 1,
 ) -> torch.Tensor:
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; advances sampled rows' `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
-    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). Always `3 + 64 / digit_bits`
-    launches (`digit_bits` 2, 4 or 8; 4: 19 launches, 16 candidates a digit); each runs a program per
+    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `top_k_rows=False` says no
+    sampled row uses top-k, `top_p_rows=False` that none uses top-p: that search's digit launches are left
+    out (the tokens are the same). `3 + 64 / digit_bits` launches with both (`digit_bits` 2, 4 or 8; 4: 19
+    launches, 16 candidates a digit), 11 with top-p alone, 4 with neither; each runs a program per
     `chunk` columns of each row (rounded to a multiple of `block`, the columns a program reads at once).
-    The defaults: 81 registers for sm_90 (six programs per SM), 8,192 programs a launch at 256 rows of
-    128,256 columns.
+    The defaults (the fastest in `bench/sampling_bench.py`'s sweep on the H200): one warp a program,
+    16,128 programs a launch at 256 rows of 128,256 columns; the searches' launches are latency-bound, so
+    many small programs beat fewer wide ones.
     """
     return sample_rows_and_floors(logits, inv_temperature, top_k, top_p, seed_keys, steps,
-                                  digit_bits=digit_bits, block=block, chunk=chunk, num_warps=num_warps)[0]
+                                  top_k_rows=top_k_rows, top_p_rows=top_p_rows, digit_bits=digit_bits,
+                                  block=block, chunk=chunk, num_warps=num_warps)[0]
 
 
 def sample_rows_and_floors(
@@ -303,6 +310,8 @@ def sample_rows_and_floors(
     seed_keys: torch.Tensor,
     steps: torch.Tensor,
     *,
+    top_k_rows: bool = True,
+    top_p_rows: bool = True,
     digit_bits: int,
     block: int,
     chunk: int,
@@ -336,7 +345,10 @@ def sample_rows_and_floors(
     warps = min(num_warps, max(1, block // 64))
     row_args = (logits, logits.stride(0), vocab, inv_temperature)
     _block_max_kernel[grid](*row_args, block_key, chunk_max, n_blocks, n_chunks, **sizes, num_warps=warps)
-    for step in range(2 * levels):
+    # Top-p's first launch (step `levels`) always runs: it records top-k's floor, which Gumbel-max reads.
+    top_k_steps = range(levels) if top_k_rows else ()
+    top_p_steps = range(levels + 1, 2 * levels) if top_p_rows else ()
+    for step in (*top_k_steps, levels, *top_p_steps):
         _digit_kernel[grid](*row_args, top_k, top_p, block_key, chunk_max, partials, state, goal, n_blocks,
                             n_chunks, step, MASS=step >= levels, **searches, num_warps=warps)
     _gumbel_max_kernel[grid](
