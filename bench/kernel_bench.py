@@ -2,8 +2,7 @@
 
 (a) decode: batch 256 x 2,048-token contexts, Llama-3-8B heads (32 q / 8 kv, head_dim 128), bf16, slots
     shuffled per page (page_size 1 and 16); median time (triton.testing.do_bench) and achieved K+V read
-    bandwidth as a fraction of 4.3 TB/s. A few split counts / BLOCK_N values are swept too; and split
-    counts at the few long rows of a generate call (1 and 4 rows of 4,160 tokens).
+    bandwidth as a fraction of 4.3 TB/s. A few split counts / BLOCK_N values are swept too.
 (b) extend: the shapes of hf_radix's prefill calls (Llama-3.1-8B heads, bf16, page_size 1): gsp suffixes
     (256 rows x 256 new behind 2,048 cached, 8 shared prefixes), one gsp prefill forward with 160 decoding
     rows riding along, 5-shot scoring (650 rows x ~12 new behind 1,600; 80 x 100 behind 1,500) and one
@@ -174,23 +173,6 @@ def bench_decode_small() -> list[dict[str, Any]]:
                         **point})
     del case
     torch.cuda.empty_cache()
-    return results
-
-
-def bench_decode_generate() -> list[dict[str, Any]]:
-    """The generate bench's decode (1 and 4 rows x 4,160 tokens, page 16): split counts around the one its
-    CUDA graphs launch (`pick_num_kv_splits` at the graphs' context bound, 131,072 tokens)."""
-    results = []
-    for batch in (1, 4):
-        case, _ = _decode_case(batch, 4160, hq=32, hkv=8, d=128, seed=4)
-        graph = ta.pick_num_kv_splits(batch, 8, 131_072, _sms())
-        for rep, splits in [(r, sp) for r in range(2) for sp in sorted({graph, 8, 16, 48, 64, 96, 128})]:
-            label = f"decode B{batch}x4160 splits={splits:<3}{' (graph)' if splits == graph else '        '}"
-            point = _decode_point(label, *case, splits, None)
-            results.append({"batch": batch, "ctx": 4160, "splits": splits, "graph": splits == graph,
-                            "rep": rep, **point})
-        del case
-        torch.cuda.empty_cache()
     return results
 
 
@@ -664,7 +646,6 @@ def main() -> None:
     if args.only in (None, "decode"):
         results["decode"] = bench_decode(args.quick)
         results["decode_small"] = bench_decode_small()
-        results["decode_generate"] = bench_decode_generate()
         if not args.quick:
             results["decode_d256"] = bench_decode_d256()
     if args.only in (None, "extend"):
