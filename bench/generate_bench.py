@@ -195,6 +195,10 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
             pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(18)
             print(f"\n===== {name}, max_new_tokens={new}: Python, by own time =====")
             print("\n".join(out.getvalue().splitlines()[:40]))
+            out = io.StringIO()
+            pstats.Stats(stats, stream=out).sort_stats("cumulative").print_stats("hf_radix|generation", 30)
+            print(f"\n===== {name}, max_new_tokens={new}: hf_radix and generate, by cumulative time =====")
+            print("\n".join(out.getvalue().splitlines()[:50]))
         for q, new in ((q_a[1], 1), (q_b[1], 9)):
             with torch.profiler.profile() as prof:
                 call(q, new, radix)

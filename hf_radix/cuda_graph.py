@@ -92,6 +92,7 @@ class _CapturedForwards(abc.ABC):
         self.capture = engine.device.type == "cuda"
         self.released = False
         self.replays = 0
+        self.loads = 0  # inputs loaded into the static buffers (by runs, captures and `prepare`)
         self.capture_time = 0.0
         self._graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphInputs]] = {}
         if self.capture:
@@ -158,8 +159,13 @@ class _CapturedForwards(abc.ABC):
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(key)
-        graph, logits, inputs = captured
-        load_graph_inputs(self.table, padded, inputs)
+        load_graph_inputs(self.table, padded, captured[2])
+        self.loads += 1
+        return self._replay(captured, real_rows)
+
+    def _replay(self, captured: tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphInputs],
+                real_rows: int) -> torch.Tensor:
+        graph, logits, _ = captured
         graph.replay()
         return logits[:real_rows]
 
@@ -175,6 +181,7 @@ class _CapturedForwards(abc.ABC):
         rows, tokens = padding.batch_size, padding.num_tokens
         inputs = GraphInputs(self._block, self._kv, rows, tokens, key[0], self.decode)
         load_graph_inputs(self.table, padding, inputs)
+        self.loads += 1
         graph, logits = self._record(self._attach(key, self._static_batch(inputs, rows, tokens)))
         self.capture_time += time.perf_counter() - started
         logger.info("captured a %s CUDA graph for %s", type(self).__name__, key)
@@ -221,6 +228,20 @@ def _padding_rows(count: int, prefix: int = 0, new: int = 0) -> dict[str, np.nda
     }
 
 
+@dataclasses.dataclass(frozen=True)
+class _PreparedStep:
+    """A decode step whose inputs `DecodeGraphs.prepare` loaded: valid while nothing else loaded since."""
+
+    key: tuple[int, ...]
+    rows: np.ndarray
+    prefix_lens: np.ndarray
+    loads: int
+
+    def matches(self, step: StepRows) -> bool:
+        return (step.from_table is None and np.array_equal(step.rows, self.rows)
+                and np.array_equal(step.prefix_lens, self.prefix_lens))
+
+
 class DecodeGraphs(_CapturedForwards):
     """Decode steps (one new token per row) replayed from graphs captured per padded batch size."""
 
@@ -235,6 +256,8 @@ class DecodeGraphs(_CapturedForwards):
         # graphs keyed (rows, rows, its graph_prefix_splits) read it, one per batch size of two rows or more
         self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch, captured=True)
         self._padded: tuple[int, tuple, tuple] | None = None  # see `_pad`
+        self._prepared: _PreparedStep | None = None  # see `prepare`
+        self.prepared_replays = 0  # replays whose inputs `prepare` had loaded
 
     def fits(self, step: StepRows) -> bool:
         """Whether a step (one new token per row) can replay a graph."""
@@ -286,11 +309,40 @@ class DecodeGraphs(_CapturedForwards):
         """
         if not (fits or self.fits(step)):
             raise ValueError(f"a decode batch of {step.batch_size} rows does not fit the captured graphs")
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.loads == self.loads and prepared.matches(step):
+            captured = self._graphs[prepared.key]
+            captured[2].input_ids[: step.batch_size].copy_(torch.from_numpy(step.input_ids))
+            if len(prepared.key) == 3:
+                self.shared.steps += 1
+            self.replays += 1
+            self.prepared_replays += 1
+            return self._replay(captured, step.batch_size)
+        key, padded = self._key(step, count=True)
+        return self._run(key, padded, step.batch_size)
+
+    def prepare(self, step: StepRows) -> None:
+        """Loads the inputs of the decode step that comes next, ids aside, into its graph's static buffers
+        now, while the GPU computes the current step; `run` of exactly these rows and lengths then writes
+        only their ids before replaying. The loads are queued behind the current replay on its stream, so
+        they cannot overwrite what it reads. Nothing is loaded for a shape not captured yet."""
+        if not (self.capture and step.from_table is None and self.fits(step)):
+            return
+        key, padded = self._key(step, count=False)
+        captured = self._graphs.get(key)
+        if captured is None:
+            return
+        load_graph_inputs(self.table, padded, captured[2])
+        self.loads += 1
+        self._prepared = _PreparedStep(key, step.rows.copy(), step.prefix_lens.copy(), self.loads)
+
+    def _key(self, step: StepRows, count: bool) -> tuple[tuple[int, ...], StepRows]:
+        """The graph a decode step replays and the step padded to its shape; `count`: the step runs now
+        (shared-prefix steps are counted)."""
         size = _bucket(self.sizes, step.batch_size)
         padded = self._pad(size, step)
-        share = None if self.shared is None else self.shared.share(padded)
-        key = (size, size) if share is None else (size, size, share.prefix_splits)
-        return self._run(key, padded, step.batch_size)
+        share = None if self.shared is None else self.shared.share(padded, count=count)
+        return ((size, size) if share is None else (size, size, share.prefix_splits)), padded
 
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
         if len(key) == 2:

@@ -118,6 +118,7 @@ class RadixGenerateCache(RadixCache):
             self._embeds = None
             self._cache_prompts()
         self.steps += 1
+        self._prepare_next()
         return output
 
     def _take_step(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -209,12 +210,31 @@ class RadixGenerateCache(RadixCache):
         """Slots for every position `step` computes; a row that needs more gets room for up to
         `ALLOCATE_AHEAD` more tokens (never past what the call can still add), so that most decode steps
         write nothing to the page table. `finish` frees what no token used."""
-        manager = self.engine.manager
-        rows, ends = step.rows.tolist(), (step.prefix_lens + step.new_lens).tolist()
-        if all(manager.row_len(row) >= end for row, end in zip(rows, ends)):
+        if self._allocated(step):
             return
         ahead = min(ALLOCATE_AHEAD, max(self._max_new - 1 - self.steps, 0))  # the last token: no forward
-        manager.allocate(rows, [end + ahead for end in ends])
+        ends = step.prefix_lens + step.new_lens
+        self.engine.manager.allocate(step.rows.tolist(), [end + ahead for end in ends.tolist()])
+
+    def _allocated(self, step: StepRows) -> bool:
+        """Whether every row of `step` has slots for all the positions it computes."""
+        manager = self.engine.manager
+        ends = (step.prefix_lens + step.new_lens).tolist()
+        return all(manager.row_len(row) >= end for row, end in zip(step.rows.tolist(), ends))
+
+    def _prepare_next(self) -> None:
+        """Loads the next decode step's inputs while the GPU computes this one (see `ModelRunner.prepare`),
+        where it may come (the call can still add a token) and its slots are allocated already."""
+        if self.model_runner is None or not self.model_runner.has_graphs or self.steps >= self._max_new:
+            return
+        rows = self._compute_rows()
+        step = StepRows(
+            rows=np.asarray([self.rows[b] for b in rows], dtype=np.int64),
+            prefix_lens=np.asarray([self.computed[b] for b in rows], dtype=np.int64),
+            new_lens=np.ones(len(rows), dtype=np.int64), input_ids=np.zeros(len(rows), dtype=np.int64),
+        )
+        if self._allocated(step):
+            self.model_runner.prepare(step)
 
     def _eager(
         self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict

@@ -159,6 +159,12 @@ class ModelRunner:
             return logits[to_device(rows, logits.device)]
         return logits
 
+    def prepare(self, step: StepRows) -> None:
+        """Loads the inputs of a decode step that is to come (its ids excepted) while the GPU runs the
+        current one, where a captured decode graph will replay it (see `DecodeGraphs.prepare`)."""
+        if self.decode_graphs is not None and not self.released:
+            self.decode_graphs.prepare(step)
+
     def _give_up_graphs(self, error: GraphCaptureError) -> None:
         """Every later step of this engine runs eagerly: its model's forward cannot be captured."""
         logger.warning(

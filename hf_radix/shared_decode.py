@@ -122,8 +122,9 @@ class SharedPrefixDecode:
         tile_q = max(1, self.cost.tile_rows // self.cost.q_heads_per_kv)
         return SharedPrefixBuffers(rows, rows, tile_q, 1, self.engine.device)
 
-    def share(self, step: StepRows) -> DecodeShare | None:
+    def share(self, step: StepRows, count: bool = True) -> DecodeShare | None:
         """The shared-prefix attention of a decode step (padding rows included), or None: per-row.
+        `count=False`: the step is planned ahead (its run counts it in `steps`).
 
         O(1) Python work while the batch's rows are unchanged and no row's lock moved since the last call
         (the manager's `lock_version`); otherwise the rows' locks are compared and the plan rebuilt if
@@ -139,7 +140,7 @@ class SharedPrefixDecode:
                 self._rows, self._handles = rows.copy(), handles
                 self._share = self._plan(step, handles)
             self._lock_version = manager.lock_version
-        if self._share is not None:
+        if self._share is not None and count:
             self.steps += 1
         return self._share
 

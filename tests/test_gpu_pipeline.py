@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_ids
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix.forward_batch import StepRows
 from hf_radix.tiny import tiny_model
 
 pytestmark = pytest.mark.gpu
@@ -80,6 +82,43 @@ def test_generate_radix_matches_default_on_gpu():
     engine.check_integrity()
     decode, extend = engine.model_runner.decode_graphs, engine.model_runner.extend_graphs
     assert extend.replays == 1 and decode.replays == 2 * 7 + 1  # the second call's prompts were cached
+    assert decode.prepared_replays == 2 * 7  # every decode step's inputs loaded during the step before
+
+
+def test_prepared_decode_inputs_serve_only_their_own_step_on_gpu():
+    model = tiny_model("llama").cuda()
+    engine = hf_radix.configure(model, max_total_tokens=4096, attn_backend="triton")
+    graphs = engine.model_runner.decode_graphs
+    manager = engine.manager
+    rows = []
+    for first in (3, 4):
+        handle = manager.match([first] * 40)
+        manager.lock(handle)
+        rows.append(manager.open_row(handle))
+    manager.allocate(rows, [40, 40])
+
+    def step(prefix_lens: list[int], ids: list[int]) -> StepRows:
+        return StepRows.of(rows, prefix_lens, [np.array([i]) for i in ids])
+
+    def run(s: StepRows) -> torch.Tensor:
+        return graphs.run(s).clone()
+
+    a, b = step([20, 30], [11, 12]), step([21, 30], [11, 12])
+    want_a, want_b = run(a), run(b)
+    graphs.prepare(step([20, 30], [0, 0]))
+    assert torch.equal(run(a), want_a) and graphs.prepared_replays == 1  # only the ids written
+    graphs.prepare(step([20, 30], [0, 0]))
+    assert torch.equal(run(b), want_b) and graphs.prepared_replays == 1  # another step: loaded afresh
+    graphs.prepare(step([20, 30], [0, 0]))
+    loads = graphs.loads
+    graphs.capture_shape((16, 16))  # another shape's capture loads the static buffers
+    assert graphs.loads > loads
+    assert torch.equal(run(a), want_a) and graphs.prepared_replays == 1
+    graphs.prepare(step([21, 30], [0, 0]))
+    assert torch.equal(run(b), want_b) and graphs.prepared_replays == 2
+    for row in rows:
+        manager.cache_req(row, [], 0, finished=True)
+    engine.check_integrity()
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -329,7 +329,7 @@ def sample_rows_and_floors(
         raise ValueError(f"digit_bits must be 2, 4 or 8, got {digit_bits}")
     block = min(block, triton.next_power_of_2(vocab))
     n_blocks = triton.cdiv(vocab, block)
-    blocks_per_chunk = min(max(1, chunk // block), n_blocks)
+    blocks_per_chunk = triton.next_power_of_2(min(max(1, chunk // block), n_blocks))  # a tl.arange size
     n_chunks = triton.cdiv(n_blocks, blocks_per_chunk)
     levels, radix = 32 // digit_bits, 1 << digit_bits
 
