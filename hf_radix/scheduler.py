@@ -38,7 +38,6 @@ POLICIES = ("lpm", "fcfs")
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
 
 
-
 @dataclass
 class StepTimes:
     """Per decode step: the host's seconds in its loop iteration (scheduling and launching the step, and
@@ -200,7 +199,6 @@ class Scheduler:
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
             if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
                 deferred.append(self.pending.popleft())  # a batch-mate computes this prefix this step
-
                 continue
             need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > self.manager.available_size:
