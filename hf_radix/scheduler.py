@@ -29,26 +29,13 @@ from .request import Req
 from .running_rows import Item, RunningRows
 from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
+from .step_completion import LaunchedStep, StepCompleter, copy_to_host
 from .stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
-
-
-
-@dataclass
-class _Launched:
-    """A step whose results are still on the device: sampled tokens and scores, copied back without a wait."""
-
-    sampled: list[Req]
-    tokens: torch.Tensor | None  # host copy of the sampled tokens (pinned on CUDA)
-    last: list[int]  # the positions in `sampled` of requests whose last token this step samples
-    scored: list[tuple[Req, int, bool]]  # scoring requests, how many scores are theirs, whether the last
-    scores: tuple[torch.Tensor, torch.Tensor] | None  # host copies: log-probs, greedy matches
-    done: torch.cuda.Event | None
-    decode: bool  # every item is a running request's decode token
 
 
 @dataclass
@@ -63,7 +50,7 @@ class StepTimes:
 
 
 class Scheduler:
-    """Drives a list of requests to completion; every exit goes through `_release`."""
+    """Drives a list of requests to completion; every exit goes through `StepCompleter.release`."""
 
     def __init__(
         self,
@@ -84,7 +71,6 @@ class Scheduler:
         self.engine = engine
         self.manager = engine.manager
         self.model_runner = model_runner
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.tokenizer = tokenizer
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
@@ -92,7 +78,10 @@ class Scheduler:
         self.overlap = overlap
         self.profile = profile and engine.device.type == "cuda"
         self.sampler = Sampler(engine.device)
-        self.stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
+        stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
+        self.completer = StepCompleter(
+            self.manager, self.sampler, frozenset(eos_token_ids), stop_strings, engine.max_context
+        )
         self.pending: deque[Req] | PrefixAwareQueue = deque()
         self.prefilling: list[Req] = []
         self.running: list[Req] = []
@@ -101,10 +90,6 @@ class Scheduler:
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._waited = 0.0  # seconds of this loop iteration spent waiting for the GPU
-        self._stop_ids = np.empty(0, dtype=np.int64)  # every token that may stop a request of the run
-        self._stop_strings = False  # whether a request of the run has stop strings
-        # sampled tokens not yet appended to their requests: (the step's sampled requests, its tokens)
-        self._unread: list[tuple[list[Req], np.ndarray]] = []
 
     # -- entry point ---------------------------------------------------------------------------------
     def run(self, reqs: list[Req], progress: bool) -> None:
@@ -117,14 +102,10 @@ class Scheduler:
             )
         else:
             self.pending = deque(ready)
-        self._stop_ids = np.fromiter(
-            set(self.eos_token_ids).union(*(r.params.stop_token_ids for r in ready)), dtype=np.int64
-        )
-        self._stop_strings = self.stop_strings is not None and any(r.params.stop for r in ready)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
-        self._bar = bar
-        in_flight: _Launched | None = None
+        self.completer.start(ready, bar)
+        in_flight: LaunchedStep | None = None
         try:
             while self.pending or self.prefilling or self.running or self.draining:
                 started, self._waited = time.perf_counter(), 0.0
@@ -148,7 +129,7 @@ class Scheduler:
         except BaseException:
             self._settle()
             for req in [*self.prefilling, *self.running, *self.draining]:
-                self._release(req, "abort", None)
+                self.completer.release(req, "abort", None)
             self.pending.clear()
             self.prefilling.clear()
             self.running.clear()
@@ -157,7 +138,7 @@ class Scheduler:
         finally:
             bar.close()
             self._collect_gpu_times()
-            self._unread.clear()  # every request left through `_release`: what remains is past their ends
+            self.completer.end()
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
             logger.warning("%d of %d requests failed; first: %s", len(failed), len(reqs), failed[0].error)
@@ -218,7 +199,6 @@ class Scheduler:
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
             if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
                 deferred.append(self.pending.popleft())  # a batch-mate computes this prefix this step
-
                 continue
             need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > self.manager.available_size:
@@ -287,7 +267,7 @@ class Scheduler:
             from_table=decode.from_table,
         )
 
-    def _launch(self, items: list[Item]) -> _Launched:
+    def _launch(self, items: list[Item]) -> LaunchedStep:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
         running = self._running()  # the first items (see `_schedule`)
         decoding = len(running.reqs)
@@ -338,7 +318,7 @@ class Scheduler:
             tokens = self.sampler.sample(chosen, params, uids)
             tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
             table.set_next_tokens(rows_d, tokens)
-            tokens_host = _copy_to_host(tokens)
+            tokens_host = copy_to_host(tokens)
         scores = self._scores(logits, score_rows, [t for _, t, _ in scored]) if scored else None
         done = None
         if self.engine.device.type == "cuda":
@@ -349,7 +329,7 @@ class Scheduler:
             self._timed.append(timer)
         last = self._advance(items, running)
         scored_counts = [(r, len(t), end) for r, t, end in scored]
-        return _Launched(sampled, tokens_host, last, scored_counts, scores, done, decode)
+        return LaunchedStep(sampled, tokens_host, last, scored_counts, scores, done, decode)
 
     def _advance(self, items: list[Item], running: RunningRows) -> list[int]:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain.
@@ -395,82 +375,25 @@ class Scheduler:
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
         index, target = self.manager.table.upload([np.concatenate(rows), np.concatenate(targets)])
         logp, greedy = target_logprobs(logits, index, target)
-        return _copy_to_host(logp.double()), _copy_to_host(greedy)
+        return copy_to_host(logp.double()), copy_to_host(greedy)
 
     # -- completing a step ---------------------------------------------------------------------------
-    def _complete(self, launched: _Launched) -> None:
+    def _complete(self, launched: LaunchedStep) -> None:
         """Reads a step's results (waiting only for that step) and finishes the requests that are done."""
-        if launched.done is not None:
-            waiting = time.perf_counter()
-            launched.done.synchronize()
-            self._waited += time.perf_counter() - waiting
+        self._waited += self.completer.wait(launched)
         with self.manager.lazy_free_region():
             if launched.scores is not None:
-                logp, greedy = launched.scores[0].numpy(), launched.scores[1].numpy()
-                offset = 0
-                for req, n, last in launched.scored:
-                    req.logprob += float(logp[offset : offset + n].sum())
-                    req.greedy_match &= bool(greedy[offset : offset + n].all())
-                    offset += n
-                    if last:
-                        self.draining.remove(req)
-                        self._release(req, "length", None)
+                for req in self.completer.read_scores(launched):
+                    self.draining.remove(req)
+                    self.completer.release(req, "length", None)
             if launched.tokens is None:
                 return
-            sampled, tokens = launched.sampled, launched.tokens.numpy().copy()
-            self._unread.append((sampled, tokens))
-            candidates = self._finish_candidates(launched, tokens)
-            if candidates:
-                self._append_tokens()
-            settled = False
-            for i in candidates:
-                req = sampled[i]
-                if req.finish_reason is not None:
-                    continue
-                reason = self._finish_reason(req, int(tokens[i]))
-                if reason is not None:
-                    if not settled:
-                        self._settle()
-                        settled = True
-                    (self.running if req in self.running else self.draining).remove(req)
-                    self._release(req, reason, None)
-
-    def _append_tokens(self) -> None:
-        """Appends the unread tokens to their requests: one `extend` a request for each run of steps that
-        sampled the same requests (a steady decode batch appends nothing until a request may finish).
-        A request that stopped drops the tokens computed past its end."""
-        unread, self._unread = self._unread, []
-        start = 0
-        while start < len(unread):
-            reqs, end = unread[start][0], start + 1
-            while end < len(unread) and unread[end][0] is reqs:
-                end += 1
-            block = np.stack([tokens for _, tokens in unread[start:end]], axis=1)  # [requests, steps]
-            for req, tokens in zip(reqs, block):
-                if req.finish_reason is None:
-                    req.extend(tokens)
-            start = end
-
-    def _finish_candidates(self, launched: _Launched, tokens: np.ndarray) -> list[int]:
-        """Positions among the sampled requests that may finish with this step's tokens, in order: a token
-        that stops some request of the run, a last token, or any token of a request with stop strings."""
-        found = set(launched.last)
-        if len(self._stop_ids):
-            found.update(np.flatnonzero(np.isin(tokens, self._stop_ids)).tolist())
-        if self._stop_strings:
-            found.update(i for i, req in enumerate(launched.sampled) if req.params.stop)
-        return sorted(found)
-
-    def _finish_reason(self, req: Req, token: int) -> str | None:
-        params = req.params
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        detector = self.stop_strings
-        if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
-            return "stop"
-        if req.num_generated >= params.max_new_tokens or len(req.token_ids) >= self.engine.max_context:
-            return "length"
-        return None
+            finished = self.completer.read_tokens(launched)
+            if finished:
+                self._settle()
+            for req, reason in finished:
+                (self.running if req in self.running else self.draining).remove(req)
+                self.completer.release(req, reason, None)
 
     def _collect_gpu_times(self) -> None:
         if self._timed:
@@ -478,35 +401,10 @@ class Scheduler:
             self.step_times.gpu_s.extend(a.elapsed_time(b) / 1e3 for a, b in self._timed)
             self._timed.clear()
 
-    # -- exits ---------------------------------------------------------------------------------------
-    def _release(self, req: Req, reason: str, error: str | None) -> None:
-        """The single exit of an admitted request: cache what is reusable, free the rest, unlock.
-
-        A generated request's last token has no K/V of its own (or only from a step past its end).
-        """
-        if self._unread:
-            self._append_tokens()
-        if req.row is not None:
-            known = len(req.token_ids) - (1 if req.num_generated else 0)
-            self.manager.cache_req(req.row, req.ids, min(req.num_computed, known), finished=True)
-            req.row = None
-        self.sampler.drop(req.index)
-        if self.stop_strings is not None:
-            self.stop_strings.drop(req.index)
-        req.finish_reason, req.error = reason, error
-        self._bar.update(1)
-
+    # -- refusing a request --------------------------------------------------------------------------
     @staticmethod
     def _fail(req: Req, message: str) -> bool:
         req.finish_reason, req.error = "error", message
         logger.debug("request %d failed: %s", req.index, message)
         return False
 
-
-def _copy_to_host(values: torch.Tensor) -> torch.Tensor:
-    """Starts copying `values` to the host (pinned memory on CUDA); read it after the step's event."""
-    if values.device.type != "cuda":
-        return values
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    return host

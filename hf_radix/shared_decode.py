@@ -170,16 +170,16 @@ class SharedPrefixDecode:
 
     @property
     def graph_prefix_splits(self) -> int:
-        """Prefix programs a tile launches in a captured graph."""
+        """Prefix programs a tile launches in a captured graph: the most splits a plan of this launch order
+        uses (one beside the suffix launch, "overlap")."""
         return 1 if self.mode == "overlap" else MAX_PREFIX_SPLITS
 
     def _splits(self, plan: SharedPrefixPlan) -> int:
         from .kernels.triton_attention_common import _sm_count
 
-        if self.mode == "overlap":
-            return 1
-        return prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
-                             _sm_count(self.engine.device))
+        splits = prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
+                               _sm_count(self.engine.device))
+        return min(splits, self.graph_prefix_splits)
 
     def one_group(self, step: StepRows, prefix_len: int, splits: int) -> DecodeShare:
         """The rows of ``step`` as one group sharing their first ``prefix_len`` positions, whatever the tree

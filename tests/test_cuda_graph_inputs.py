@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import fresh_model, hf_greedy, random_ids
+from twin_tables import cpu_and_cuda_tables
 
 from hf_radix import RadixBatchRunner, SamplingParams, cuda_graph
 from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
@@ -159,21 +160,12 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
     the static buffers give on CUDA what they give on the CPU: decode steps past the staging ring with
     padded rows, an extend with ids partly from the table."""
     from hf_radix.forward_batch import StepRows, load_graph_inputs
-    from hf_radix.page_table import PADDING_ROW, PageTable
+    from hf_radix.page_table import PADDING_ROW
     from hf_radix.staging import RING
 
     devices = ("cpu", "cuda")
-    tables = [PageTable(4096, device, scratch_slot=4096, width=64) for device in devices]
     gen = np.random.default_rng(1)
-    rows = np.array([[t.open() for _ in range(5)] for t in tables][0])
-    lens = gen.integers(3, 40, 5)
-    contexts = [gen.permutation(4096)[:60] for _ in rows]
-    tokens = gen.integers(1, 1000, 5)
-    for table in tables:
-        for row, context in zip(rows, contexts):
-            table.write_row(int(row), 0, context[:40])
-        table.set_next_tokens(torch.as_tensor(rows, device=table.device),
-                              torch.as_tensor(tokens, device=table.device))
+    tables, rows, lens, contexts, tokens = cpu_and_cuda_tables(gen, first_token=1)
     padded = np.r_[rows, [PADDING_ROW] * 3]
     for k in range(3 * RING):
         for table in tables:

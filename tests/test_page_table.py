@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import fresh_model, hf_greedy, random_ids
+from twin_tables import cpu_and_cuda_tables
 
 from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.page_table import PADDING_ROW, PageTable
@@ -166,17 +167,8 @@ def test_metadata_on_the_gpu_equals_the_cpu_one():
     from hf_radix.forward_batch import SLOT_LISTS, StepRows, build_forward_batch
     from hf_radix.staging import RING
 
-    tables = [PageTable(4096, device, scratch_slot=4096, width=64) for device in ("cpu", "cuda")]
     gen = np.random.default_rng(0)
-    rows = np.array([[t.open() for _ in range(5)] for t in tables][0])
-    lens = gen.integers(3, 40, 5)
-    contexts = [gen.permutation(4096)[:60] for _ in rows]
-    tokens = gen.integers(0, 1000, 5)
-    for table in tables:
-        for row, context in zip(rows, contexts):
-            table.write_row(int(row), 0, context[:40])
-        table.set_next_tokens(torch.as_tensor(rows, device=table.device),
-                              torch.as_tensor(tokens, device=table.device))
+    tables, rows, lens, contexts, _ = cpu_and_cuda_tables(gen)
 
     def same(step: StepRows, slot_lists: str) -> None:
         cpu, cuda = (build_forward_batch(t, step, slot_lists) for t in tables)
