@@ -128,6 +128,26 @@ def _paged_kv_loop(
 
 
 @triton.jit
+def _paged_kv_visible(
+    acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
+    kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+    offs_n, offs_d, offs_dv, d_mask, dv_mask,
+    SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi) of a range that every query sees whole (no causal or window
+    mask): its whole tiles unmasked, then the partial last one masked to ``hi``."""
+    full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _paged_kv_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, 0, 0,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, 0,
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    return _paged_kv_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, 0, 0,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, 0,
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+
+
+@triton.jit
 def _partial_rows(acc, l_i, m_i):
     """A split's normalized partial output rows and their log2-sum-exp (-inf where it saw no key)."""
     has = l_i > 0.0
@@ -146,6 +166,27 @@ def _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS: tl.constexpr):
         alpha = tl.exp2(m_i - m)
         return acc * (alpha / (l_i * alpha + tl.exp2(sink - m)))[:, None]
     return acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+
+
+@triton.jit
+def _store_rows(
+    acc, l_i, m_i, Out, Mid_o, Mid_lse, Sinks, tok, tok_lse, heads, row_mask, offs_dv, dv_mask, split,
+    stride_ot, stride_oh, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+):
+    """Writes a program's output rows (query heads ``heads`` of tokens ``tok``; ``tok_lse``: the same tokens
+    shaped like ``heads``): with DIRECT (one split) normalized into ``Out``, else the split's partial output
+    into ``Mid_o`` and its log2-sum-exp into ``Mid_lse``, for the merge kernel."""
+    st_mask = row_mask[:, None] & dv_mask[None, :]
+    if DIRECT:
+        out = _finish_rows(acc, l_i, m_i, Sinks, heads, row_mask, HAS_SINKS)
+        o_ptrs = Out + tok * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
+    else:
+        out, lse = _partial_rows(acc, l_i, m_i)
+        m_ptrs = Mid_o + tok * stride_mt + heads[:, None] * stride_mh + split * stride_ms + offs_dv[None, :]
+        tl.store(m_ptrs, out, mask=st_mask)
+        tl.store(Mid_lse + tok_lse * stride_lt + heads * stride_lh + split, lse, mask=row_mask)
 
 
 # split counts (and the strides that follow them) vary with the batch: not specialized on, no recompiles
@@ -274,6 +315,18 @@ def _check_out(out: torch.Tensor | None, q: torch.Tensor, dv: int) -> torch.Tens
     if tuple(out.shape) != shape or out.dtype != q.dtype or out.stride(-1) != 1:
         raise ValueError(f"out must be {list(shape)} of q's dtype and contiguous in head_dim")
     return out
+
+
+def _split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
+    """Per-split partial outputs ``[N, Hq, S, Dv]`` and log2-sum-exps ``[N, Hq, S]`` (fp32) for ``out``
+    ``[N, Hq, Dv]``, and their strides as the kernels take them; with one split, unused placeholders."""
+    if num_splits == 1:
+        return out, out, (0, 0, 0, 0, 0)
+    n, hq, dv = out.shape
+    mid_o = torch.empty((n, hq, num_splits, dv), dtype=torch.float32, device=out.device)
+    mid_lse = torch.empty((n, hq, num_splits), dtype=torch.float32, device=out.device)
+    return mid_o, mid_lse, (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0),
+                            mid_lse.stride(1))
 
 
 def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int = 132,

@@ -16,15 +16,15 @@ from .triton_attention_common import (
     _check_common,
     _check_out,
     _dot_prec,
-    _finish_rows,
     _last_dim_contig,
     _launch,
     _merge_splits,
-    _paged_kv_loop,
-    _partial_rows,
+    _paged_kv_visible,
     _scales,
     _sinks_log2,
     _sm_count,
+    _split_buffers,
+    _store_rows,
     _window,
     pick_num_kv_splits,
 )
@@ -69,7 +69,6 @@ def _decode_stage1_kernel(
     split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
     lo = kv_lo + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
-    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
 
     offs_h = (hb % HEAD_BLOCKS) * BLOCK_H + tl.arange(0, BLOCK_H)
     heads = kvh * GROUP + offs_h
@@ -88,26 +87,15 @@ def _decode_stage1_kernel(
     m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - 1.0e30
     kv_idx_ptr = kv_indices + kv_start
     # every position of [kv_lo, seq_len) is visible to the row's one query: no causal or window mask
-    acc, l_i, m_i = _paged_kv_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full_hi, 0, 0,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, False, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-    acc, l_i, m_i = _paged_kv_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full_hi, hi, 0, 0,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    acc, l_i, m_i = _paged_kv_visible(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
+        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+        offs_n, offs_d, offs_dv, d_mask, dv_mask, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
-    st_mask = h_mask[:, None] & dv_mask[None, :]
-    if DIRECT:
-        out = _finish_rows(acc, l_i, m_i, Sinks, heads, h_mask, HAS_SINKS)
-        o_ptrs = Out + row.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
-    else:
-        out, lse = _partial_rows(acc, l_i, m_i)
-        m_ptrs = (Mid_o + row.to(tl.int64) * stride_mb + heads[:, None] * stride_mh + split * stride_ms
-                  + offs_dv[None, :])
-        tl.store(m_ptrs, out, mask=st_mask)
-        tl.store(Mid_lse + row.to(tl.int64) * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+    row64 = row.to(tl.int64)
+    _store_rows(acc, l_i, m_i, Out, Mid_o, Mid_lse, Sinks, row64, row64, heads, h_mask, offs_dv, dv_mask,
+                split, stride_ob, stride_oh, stride_mb, stride_mh, stride_ms, stride_lb, stride_lh,
+                DIRECT, HAS_SINKS)
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
@@ -169,14 +157,7 @@ def decode_attention(
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     block_d = triton.next_power_of_2(d)
     direct = num_kv_splits == 1
-    if direct:
-        mid_o = out  # unused placeholders
-        mid_lse = out
-        mstrides = (0, 0, 0, 0, 0)
-    else:
-        mid_o = torch.empty((batch, hq, num_kv_splits, dv), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, hq, num_kv_splits), dtype=torch.float32, device=q.device)
-        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    mid_o, mid_lse, mstrides = _split_buffers(out, num_kv_splits)
     grid = (batch, hkv * head_blocks, num_kv_splits)
     args = (
         q, k_cache, v_cache, kv_indices, kv_indptr, mid_o, mid_lse, out, sinks,

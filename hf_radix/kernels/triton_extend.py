@@ -25,16 +25,17 @@ from .triton_attention_common import (
     _check_common,
     _check_out,
     _dot_prec,
-    _finish_rows,
     _last_dim_contig,
     _launch,
     _load_kv,
     _merge_splits,
     _paged_kv_loop,
-    _partial_rows,
+    _paged_kv_visible,
     _scales,
     _sinks_log2,
     _sm_count,
+    _split_buffers,
+    _store_rows,
     _window,
     pick_num_kv_splits,
 )
@@ -208,15 +209,10 @@ def _extend_kernel(
             kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
             offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, True, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
     else:
-        full = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, full, 0, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, hi, 0, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, False, False, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, l_i, m_i = _paged_kv_visible(
+            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi,
+            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale,
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
     if split == num_splits - 1:
         acc, l_i, m_i = _extend_new_tokens(
@@ -224,17 +220,9 @@ def _extend_kernel(
             kvh, stride_knt, stride_knh, stride_vnt, stride_vnh, qk_scale, cap_scale, window,
             offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
 
-    st_mask = m_mask[:, None] & dv_mask[None, :]
-    if DIRECT:
-        out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
-        o_ptrs = Out + q_tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
-    else:
-        out, lse = _partial_rows(acc, l_i, m_i)
-        m_ptrs = (Mid_o + q_tok[:, None] * stride_mt + heads[:, None] * stride_mh + split * stride_ms
-                  + offs_dv[None, :])
-        tl.store(m_ptrs, out, mask=st_mask)
-        tl.store(Mid_lse + q_tok * stride_lt + heads * stride_lh + split, lse, mask=m_mask)
+    _store_rows(acc, l_i, m_i, Out, Mid_o, Mid_lse, Sinks, q_tok[:, None], q_tok, heads, m_mask, offs_dv,
+                dv_mask, split, stride_ot, stride_oh, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+                DIRECT, HAS_SINKS)
 
 
 def _extend_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> list[dict[str, int]]:
@@ -335,12 +323,7 @@ def extend_attention(
                                             waves=1)
     num_splits = max(1, int(num_splits))
     direct = num_splits == 1
-    if direct:
-        mid_o, mid_lse, mstrides = out, out, (0, 0, 0, 0, 0)  # unused placeholders
-    else:
-        mid_o = torch.empty((t, hq, num_splits, dv), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((t, hq, num_splits), dtype=torch.float32, device=q.device)
-        mstrides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    mid_o, mid_lse, mstrides = _split_buffers(out, num_splits)
 
     strides = (
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
