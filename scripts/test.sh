@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment and runs ruff, the test suite on the newest transformers 5.x and on 5.17.0,
-# then the packaging check (the built wheel, installed into a fresh venv, runs the demo).
+# then the packaging check (the built wheel, installed into a fresh venv, runs the demo). Tests run on
+# every core, a test file per worker (a file's interpreter subprocess and fixtures are made once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
@@ -8,8 +9,8 @@ source scripts/venv.sh
 "$PY" -m pip install -qq -U "transformers>=5.17,<6"
 "$PY" -m ruff check .
 echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
-"$PY" -m pytest -q -p no:cacheprovider "$@"
+"$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadfile "$@"
 "$PY" -m pip install -qq "transformers==5.17.0"
 echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
-"$PY" -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+"$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m "not slow" "$@"
 bash scripts/check_wheel.sh
