@@ -92,6 +92,19 @@ def _read_block(row_ptr, block_keys, block, end, n_cols, least, BLOCK: tl.conste
 
 
 @triton.jit
+def _chunk_start(Logits, stride_row, BlockKey, row, chunk, n_blocks, n_cols, least, BLOCK: tl.constexpr,
+                 BLOCKS_PER_CHUNK: tl.constexpr):
+    """A program's walk over its chunk: the row's logits and block keys, the chunk's first and end blocks,
+    and its first block as `_read_block` reads it."""
+    row_ptr = Logits + row.to(tl.int64) * stride_row
+    block_keys = BlockKey + row * n_blocks
+    first = chunk * BLOCKS_PER_CHUNK
+    end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
+    logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, least, BLOCK)
+    return row_ptr, block_keys, first, end, logit, wanted
+
+
+@triton.jit
 def _scaled(logit, block, n_cols, scale, BLOCK: tl.constexpr):
     """`x = logit * scale` of a block read by `_read_block`, its order key, and which lanes are in the row."""
     x = logit.to(tl.float32) * scale
@@ -191,12 +204,9 @@ def _digit_kernel(Logits, stride_row, n_cols, InvTemperature, TopK, TopP, BlockK
         shift = (32 - DIGIT_BITS * (level + 1)).to(tl.uint32)
         candidates = prefix + (tl.arange(0, RADIX).to(tl.uint32) << shift)
         least = tl.maximum(prefix, kept_floor)  # keys below it weigh nothing at any candidate
-        row_ptr = Logits + row.to(tl.int64) * stride_row
         partial = tl.zeros([BLOCK, RADIX], tl.float32)  # summed across lanes once, after the chunk
-        block_keys = BlockKey + row * n_blocks
-        first = chunk * BLOCKS_PER_CHUNK
-        end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
-        logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, least, BLOCK)
+        row_ptr, block_keys, first, end, logit, wanted = _chunk_start(
+            Logits, stride_row, BlockKey, row, chunk, n_blocks, n_cols, least, BLOCK, BLOCKS_PER_CHUNK)
         for block in range(first, first + BLOCKS_PER_CHUNK):
             # the next block's read is in flight while this one is summed
             logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, least, BLOCK)
@@ -235,13 +245,10 @@ def _gumbel_max_kernel(Logits, stride_row, n_cols, InvTemperature, TopP, Key0, K
         floor = _order_key(_row_max(ChunkMax, row, n_chunks, CHUNKS))
     if chunk == 0:
         tl.store(State + row * _STATE_SLOTS + _FLOOR, floor.to(tl.int64))
-    row_ptr = Logits + row.to(tl.int64) * stride_row
     best = tl.full((), float("-inf"), tl.float32)
     best_index = tl.full((), 0, tl.int32)
-    block_keys = BlockKey + row * n_blocks
-    first = chunk * BLOCKS_PER_CHUNK
-    end = tl.minimum(first + BLOCKS_PER_CHUNK, n_blocks)
-    logit, wanted = _read_block(row_ptr, block_keys, first, end, n_cols, floor, BLOCK)
+    row_ptr, block_keys, first, end, logit, wanted = _chunk_start(
+        Logits, stride_row, BlockKey, row, chunk, n_blocks, n_cols, floor, BLOCK, BLOCKS_PER_CHUNK)
     for block in range(first, first + BLOCKS_PER_CHUNK):
         logit_next, wanted_next = _read_block(row_ptr, block_keys, block + 1, end, n_cols, floor, BLOCK)
         if wanted:
