@@ -41,7 +41,7 @@ from hf_radix.kernels import triton_attention as ta  # noqa: E402
 from hf_radix.kernels import triton_attention_common as tac  # noqa: E402
 from hf_radix.kernels import triton_shared_prefix as sp  # noqa: E402
 from hf_radix.prefix_groups import SharedPrefixBuffers, SharedPrefixCost, build_shared_prefix_plan  # noqa: E402
-from hf_radix.shared_decode import MAX_PREFIX_SPLITS, prefix_splits  # noqa: E402
+from hf_radix.shared_decode import most_prefix_splits, prefix_splits  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, measured device-to-device copy rate on the H200 here
 HQ, HKV, D = 32, 8, 128
@@ -49,7 +49,7 @@ DTYPE = torch.bfloat16
 KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, one layer, bf16
 DEVICE = "cuda"  # the decode part's (a CPU smoke test of this script runs it under the interpreter)
 DEFAULT_MODE = EngineOptions.shared_prefix_mode  # the engine's launch order (a dataclass default)
-OVERLAP_SPLITS = 1  # the split count the runner gives a prefix beside the suffix launch (shared_decode)
+OVERLAP_SPLITS = most_prefix_splits("overlap")  # the runner's split count beside the suffix launch
 
 
 def graph_ms(fn: Any) -> float:
@@ -108,7 +108,7 @@ def shared_fn(case: dict[str, Any], q: torch.Tensor, new_lens: np.ndarray, prefi
         rows = len(new_lens)
         tiles = SharedPrefixBuffers(rows, rows, plan.prefix_tile_q, plan.suffix_tile_q, DEVICE)
         tiles.load(plan, prefix_splits=prefix_splits)
-        launched = OVERLAP_SPLITS if mode == "overlap" else MAX_PREFIX_SPLITS
+        launched = most_prefix_splits(mode)
     else:
         tiles, launched = SharedPrefixBuffers.from_plan(plan, DEVICE), prefix_splits
     pool, out = case["pool"], torch.empty_like(q)

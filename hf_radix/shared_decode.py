@@ -34,6 +34,12 @@ logger = logging.get_logger(__name__)
 MAX_PREFIX_SPLITS = 8
 
 
+def most_prefix_splits(mode: str) -> int:
+    """The most splits a prefix gets in launch order `mode` (and the programs a captured graph launches a
+    prefix tile): one beside the suffix launch ("overlap"), else `MAX_PREFIX_SPLITS`."""
+    return 1 if mode == "overlap" else MAX_PREFIX_SPLITS
+
+
 @dataclass(frozen=True)
 class DecodeShare:
     """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
@@ -171,8 +177,8 @@ class SharedPrefixDecode:
     @property
     def graph_prefix_splits(self) -> int:
         """Prefix programs a tile launches in a captured graph: the most splits a plan of this launch order
-        uses (one beside the suffix launch, "overlap")."""
-        return 1 if self.mode == "overlap" else MAX_PREFIX_SPLITS
+        uses (`most_prefix_splits`)."""
+        return most_prefix_splits(self.mode)
 
     def _splits(self, plan: SharedPrefixPlan) -> int:
         from .kernels.triton_attention_common import _sm_count
