@@ -51,6 +51,8 @@ def profiled(name: str, fn) -> None:
         torch.cuda.synchronize()
     print(f"===== {name}: ops by GPU time =====")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
+    print(f"===== {name}: ops by host time (launches, graph launches, copies) =====")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70))
 
 
 def main() -> None:

@@ -178,7 +178,9 @@ def _cfg(block_n: int, warps: int, stages: int, maxnreg: int | None = None) -> d
 # program beside it (overlap); maxnreg 160: no spill, one suffix program beside; 128: 88 bytes spill, two.
 SUFFIX_CFGS = [_cfg(32, 4, 3), _cfg(64, 8, 3), _cfg(128, 8, 2), _cfg(64, 4, 4), _cfg(64, 4, 4, 96),
                _cfg(64, 4, 3, 96)]
-PREFIX_CFGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, 128), _cfg(64, 8, 3, 96), _cfg(32, 8, 3, 160)]
+PREFIX_CFGS = [_cfg(64, 8, 3), _cfg(64, 8, 3, 128), _cfg(64, 8, 3, 96), _cfg(32, 8, 3, 160),
+               _cfg(64, 8, 4, 160), _cfg(64, 8, 2, 160), _cfg(64, 8, 3, 192),
+               _cfg(128, 8, 2, 160), _cfg(128, 8, 2, 192)]
 
 
 def decode_variants(runner_splits: int, quick: bool, full: bool) -> list[dict[str, Any]]:
@@ -202,11 +204,12 @@ def decode_variants(runner_splits: int, quick: bool, full: bool) -> list[dict[st
     out += [v(m, suffix=2) for m in ("merge", "overlap", "fused")]
     out += [overlap(cfg={16: c}) for c in SUFFIX_CFGS]
     out += [overlap(cfg={128: c}) for c in PREFIX_CFGS]
-    out += [overlap(cfg={128: p, 16: c}) for p in PREFIX_CFGS[1:] for c in SUFFIX_CFGS[-2:]]
+    out += [overlap(cfg={128: p, 16: c}) for p in PREFIX_CFGS[1:4] for c in SUFFIX_CFGS[-2:]]
     out += [overlap(cfg={128: PREFIX_CFGS[1], 16: SUFFIX_CFGS[-1]}, captured=True)]
     # prefix tiles of 64 (query, head) rows: two a group of 32 rows (its prefix read twice, the second
     # time from L2), lighter programs
     out += [v(m, tile_rows=64, cfg={64: _cfg(32, 4, 3)}) for m in ("fold", "overlap")]
+    out += [overlap(tile_rows=64, cfg={64: c}) for c in (_cfg(64, 4, 3), _cfg(64, 4, 3, 160), _cfg(64, 4, 2))]
     # two prefix programs an SM (registers capped): more prefix splits pay
     out += [v("fold", s, cfg={128: PREFIX_CFGS[1]}) for s in (2, 4)]
     return out
@@ -279,8 +282,8 @@ def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8
               f"err {entry['rel_err_vs_per_row']:.1e}", flush=True)
     res["breakdown"] = [breakdown(case, q, s, parts)
                         for s in sorted({OVERLAP_SPLITS, runner_splits, 4 if full else 0} - {0})]
-    res["default_configs"] = {**{bm: sp.tile_config(bm, D, DTYPE, q.device) for bm in (16, 128)},
-                              "128_beside": sp.tile_config(128, D, DTYPE, q.device, beside=True)}
+    wide = {f"128_{mode}": sp.tile_config(128, D, DTYPE, q.device, mode) for mode in ("overlap", "fused")}
+    res["default_configs"] = {**{bm: sp.tile_config(bm, D, DTYPE, q.device) for bm in (16, 128)}, **wide}
     return res
 
 

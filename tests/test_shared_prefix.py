@@ -293,12 +293,12 @@ H100_SMEM = 232448  # bytes of shared memory a block may use on sm_90
 
 
 @pytest.mark.parametrize(
-    "block_m,tile_q,window,softcap,sinks,final,head_dim",
-    [(128, 32, False, False, False, False, 128), (16, 1, True, True, True, True, 128),
-     (128, 64, True, False, True, False, 256)],
+    "block_m,tile_q,window,softcap,sinks,final,head_dim,mode",
+    [(128, 32, False, False, False, False, 128, "fold"), (128, 32, True, True, True, False, 128, "overlap"),
+     (16, 1, True, True, True, True, 128, "fold"), (128, 64, True, False, True, False, 256, "overlap")],
 )
 def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softcap: bool, sinks: bool,
-                                  final: bool, head_dim: int) -> None:
+                                  final: bool, head_dim: int, mode: str) -> None:
     compile_test = pytest.importorskip("test_kernels_compile")
     import triton
 
@@ -310,7 +310,7 @@ def test_kernels_compile_for_sm90(block_m: int, tile_q: int, window: bool, softc
     pointers.update(Slots="*i64", Sinks="*fp32", Mid_o="*fp32", Mid_lse="*fp32", qk_scale="fp32",
                     cap_scale="fp32")
     block_d = triton.next_power_of_2(head_dim)
-    cfg = sp.tile_config(block_m, head_dim, torch.bfloat16, torch.device("cuda"))
+    cfg = sp.tile_config(block_m, head_dim, torch.bfloat16, torch.device("cuda"), mode)
     constexprs = dict(GROUP=group, TILE_Q=tile_q, HEAD_DIM=head_dim, BLOCK_D=block_d, HEAD_DIM_V=head_dim,
                       BLOCK_DV=block_d, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], USE_WINDOW=window,
                       SOFTCAP=softcap, HAS_SINKS=sinks, FINAL=final, IS_PREFIX=not final, DOT_PREC="tf32")
