@@ -122,6 +122,23 @@ def test_an_upload_into_a_static_block_fills_its_layout_and_returns_the_rest(roo
     assert (0 < in_block < block.block.numel() * 8) == bool(room) and staging.uploads == 1
 
 
+def test_repeated_uploads_into_a_static_block_return_each_uploads_values():
+    """Uploads of one shape reuse their layout and, in the block, the same views: each returns its own
+    values; another shape in between (or one that does not fit behind the layout) gets its own."""
+    staging = HostStaging("cpu")
+    layout = PackedLayout([2], [2])
+    block = StaticBlock(layout, torch.zeros(layout.total + 8, dtype=torch.int64))
+    seen = []
+    for step, sizes in enumerate([(3, 2), (3, 2), (4,), (3, 2), (9,)]):
+        parts = [np.arange(n) + 10 * step for n in sizes]
+        rest = staging.upload(parts, into=block, into_parts=[np.array([step, step])])
+        assert [t.tolist() for t in rest] == [p.tolist() for p in parts]
+        assert block.views[0].tolist() == [step, step]
+        seen.append([t.data_ptr() for t in rest])
+    assert seen[0] == seen[1] == seen[3] and seen[2][0] == seen[0][0]
+    assert not block.block.data_ptr() <= seen[4][0] < block.block.data_ptr() + 8 * block.block.numel()
+
+
 def test_each_shape_lays_out_its_inputs_aligned_in_one_block():
     block, kv = torch.zeros(GraphInputs.layout(9, 32, 9).total, dtype=torch.int64), torch.zeros(64)
     for rows, tokens, logits in [(1, 1, 1), (3, 3, 3), (5, 17, 4), (9, 32, 9)]:
