@@ -26,7 +26,7 @@ from .logprobs import target_logprobs
 from .model_runner import ModelRunner
 from .radix_tree import RadixPrefixCache
 from .request import Req
-from .running_rows import Item, RunningRows
+from .running_rows import RunningRows, StepItems
 from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
 from .step_completion import LaunchedStep, StepCompleter, copy_to_host
@@ -175,7 +175,7 @@ class Scheduler:
         ps = self.manager.page_size
         return sum(self.manager.pages_for(self.manager.row_len(r.row), r.final_len) * ps for r in reqs)
 
-    def _schedule(self) -> list[Item]:
+    def _schedule(self) -> StepItems:
         """One step: every running request's next token, then prefill chunks under the token budget
         (which counts both), keeping room for what admitted requests will still decode."""
         items = self._running().items()
@@ -243,13 +243,13 @@ class Scheduler:
             cached.settle()
 
     # -- launching a step ----------------------------------------------------------------------------
-    def _step_rows(self, items: list[Item], running: RunningRows) -> StepRows:
+    def _step_rows(self, items: StepItems, running: RunningRows) -> StepRows:
         """The step in page-table terms; decode tokens are read on the device (the last step sampled them).
 
         The first items are `running`'s decode tokens (one each), the rest prefill chunks.
         """
         decode = running.step()
-        prefill = items[len(running.reqs) :]
+        prefill = items.prefill
         if not prefill:
             return decode
         table = np.array([(req.row, s, e) for req, s, e in prefill], dtype=np.int64).reshape(-1, 3)
@@ -267,7 +267,7 @@ class Scheduler:
             from_table=decode.from_table,
         )
 
-    def _launch(self, items: list[Item]) -> LaunchedStep:
+    def _launch(self, items: StepItems) -> LaunchedStep:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
         running = self._running()  # the first items (see `_schedule`)
         decoding = len(running.reqs)
@@ -285,7 +285,7 @@ class Scheduler:
         joining: list[Req] = []  # requests whose prefill ends this step: their first token
         join_rows: list[int] = []  # their logits rows
         offset = decoding
-        for req, start, end in items[decoding:]:
+        for req, start, end in items.prefill:
             wanted = req.logits_offsets(start, end) if step.logits_offsets is not None else None
             count = 1 if wanted is None else len(wanted)
             if req.score_from is not None:
@@ -331,7 +331,7 @@ class Scheduler:
         scored_counts = [(r, len(t), end) for r, t, end in scored]
         return LaunchedStep(sampled, tokens_host, last, scored_counts, scores, done, decode)
 
-    def _advance(self, items: list[Item], running: RunningRows) -> list[int]:
+    def _advance(self, items: StepItems, running: RunningRows) -> list[int]:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain.
 
         Returns the positions among the step's sampled requests (running ones, then those whose prefill
@@ -346,7 +346,7 @@ class Scheduler:
             last = [i for i, r in enumerate(running.reqs) if r.launched >= r.launch_limit]
             done = [running.reqs[i] for i in last]
         joined = decoding
-        prefill = items[decoding:]
+        prefill = items.prefill
         with self.manager.lazy_free_region() if prefill else contextlib.nullcontext():
             for req, _, end in prefill:
                 req.num_computed = end
