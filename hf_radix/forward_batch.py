@@ -143,11 +143,10 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else _EMPTY
 
 
-def _token_layout(step: StepRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _token_layout(step: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The packed tokens of `step`: each row's offset (`qo_indptr`), each token's position and table row,
-    and the packed positions whose logits are wanted."""
+    and the packed positions whose logits are wanted. `decode`: every row adds one token (else any)."""
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
-    decode = bool((new == 1).all())
     if decode:  # a decode step: one token per row, at its prefix length
         qo_indptr = _arange(len(rows) + 1)
         positions, token_rows = prefix, rows
@@ -200,7 +199,7 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    qo_indptr, positions, token_rows, logits = _token_layout(step)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, bool((new == 1).all()))
     kv_indptr, prefix_indptr = _indptr(seq), _indptr(prefix)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
     context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
@@ -272,7 +271,7 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
     copies into the graph's buffers afterwards); the ids read from the table and the slot lists (whole
     contexts or cached prefixes, per `inputs.decode`) are written into the static buffers by the gathers.
     """
-    qo_indptr, positions, token_rows, logits = _token_layout(step)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, inputs.decode)  # decode: a token a row
     lens = step.prefix_lens + step.new_lens if inputs.decode else step.prefix_lens
     indptr = _indptr(lens)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
