@@ -294,6 +294,7 @@ class DecodeGraphs(_CapturedForwards):
                 np.concatenate([step.rows, zeros + PADDING_ROW]), np.concatenate([step.new_lens, zeros + 1]),
                 np.concatenate([step.input_ids, zeros]), from_table, zeros,
             )
+            padded[0].setflags(write=False)  # the same rows while kept (`SharedPrefixDecode.share`)
             cached = self._padded = (size, sources, padded)
         rows, new_lens, input_ids, from_table, zeros = cached[2]
         return StepRows(rows=rows, prefix_lens=np.concatenate([step.prefix_lens, zeros]), new_lens=new_lens,

@@ -143,11 +143,10 @@ def _concat(parts: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(parts) if parts else _EMPTY
 
 
-def _token_layout(step: StepRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _token_layout(step: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The packed tokens of `step`: each row's offset (`qo_indptr`), each token's position and table row,
-    and the packed positions whose logits are wanted."""
+    and the packed positions whose logits are wanted. `decode`: every row adds one token (else any)."""
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
-    decode = bool((new == 1).all())
     if decode:  # a decode step: one token per row, at its prefix length
         qo_indptr = _arange(len(rows) + 1)
         positions, token_rows = prefix, rows
@@ -165,22 +164,29 @@ def _token_layout(step: StepRows) -> tuple[np.ndarray, np.ndarray, np.ndarray, n
 
 
 def gather_contexts(
-    flat_slots: torch.Tensor, bases: torch.Tensor, lengths: torch.Tensor, total: int,
+    flat_slots: torch.Tensor, bases: torch.Tensor, indptr: torch.Tensor, total: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
-    the result lies in row `i`'s run (`lengths[i]` long) and reads `flat_slots[bases[i] + k]`.
+    the result lies in run `i` (`indptr[i] <= k < indptr[i + 1]`: the runs' offsets, int32, `total` the
+    last) and reads `flat_slots[bases[i] + k]`.
 
-    With `bases[i] = rows[i] * width - indptr[i]` (`indptr` the runs' offsets) that is
-    `slots[rows[i], :lengths[i]]` of every row. With `out` (int64, at least `total` long) the result is
-    written into its first `total` entries (and returned).
+    With `bases[i] = rows[i] * width - indptr[i]` that is `slots[rows[i], :indptr[i + 1] - indptr[i]]` of
+    every row. With `out` (int64, at least `total` long) the result is written into its first `total`
+    entries (and returned). Each entry finds its run by a binary search: fewer launches than
+    `repeat_interleave`, whose scan costs the host more.
     """
     if total == 0:
         return bases[:0] if out is None else out[:0]
-    flat = torch.repeat_interleave(bases, lengths, output_size=total)
-    flat += torch.arange(total, device=flat_slots.device)
-    gathered = flat_slots.index_select(0, flat)
-    return gathered.long() if out is None else out[:total].copy_(gathered)
+    position = torch.arange(total, dtype=indptr.dtype, device=flat_slots.device)
+    run = torch.searchsorted(indptr[1:], position, right=True)
+    if out is None:
+        flat = bases.index_select(0, run)
+        flat += position
+        return flat_slots.index_select(0, flat).long()
+    out = torch.index_select(bases, 0, run, out=out[:total])
+    out += position
+    return out.copy_(flat_slots.index_select(0, out))
 
 
 SLOT_LISTS = ("both", "context", "prefix")
@@ -200,7 +206,7 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    qo_indptr, positions, token_rows, logits = _token_layout(step)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, bool((new == 1).all()))
     kv_indptr, prefix_indptr = _indptr(seq), _indptr(prefix)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
     context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
@@ -229,9 +235,9 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.flat_slots, context_d, seq32, context_total),
+        kv_indices=gather_contexts(table.flat_slots, context_d, kv_indptr32, context_total),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.flat_slots, prefix_d, prefix32, prefix_total),
+        prefix_kv_indices=gather_contexts(table.flat_slots, prefix_d, prefix_indptr32, prefix_total),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
@@ -272,7 +278,7 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
     copies into the graph's buffers afterwards); the ids read from the table and the slot lists (whole
     contexts or cached prefixes, per `inputs.decode`) are written into the static buffers by the gathers.
     """
-    qo_indptr, positions, token_rows, logits = _token_layout(step)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, inputs.decode)  # decode: a token a row
     lens = step.prefix_lens + step.new_lens if inputs.decode else step.prefix_lens
     indptr = _indptr(lens)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
@@ -288,4 +294,4 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
         torch.index_select(table.next_token, 0, table_rows, out=inputs.input_ids)
     elif len(from_table):
         inputs.input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
-    gather_contexts(table.flat_slots, bases, inputs.lens, int(indptr[-1]), out=inputs.kv)
+    gather_contexts(table.flat_slots, bases, inputs.kv_indptr, int(indptr[-1]), out=inputs.kv)

@@ -8,6 +8,8 @@ settles before the list changes or a request leaves it, then builds new arrays f
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
 import numpy as np
 import torch
 
@@ -25,6 +27,7 @@ class RunningRows:
         n = len(reqs)
         self.reqs = reqs  # never modified: a changed list gets new arrays
         self.rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
+        self.rows.setflags(write=False)  # the same rows every step (`SharedPrefixDecode.share` relies on it)
         self.starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
         self.params: list[SamplingParams] = [r.params for r in reqs]
         self.uids = tuple(r.index for r in reqs)
@@ -35,10 +38,9 @@ class RunningRows:
         self._ones = np.ones(n, dtype=np.int64)
         self._zeros = np.zeros(n, dtype=np.int64)
 
-    def items(self) -> list[Item]:
-        """Each request's decode token: positions `[start, start + 1)`."""
-        starts = self.starts.tolist()
-        return list(zip(self.reqs, starts, [s + 1 for s in starts]))
+    def items(self) -> StepItems:
+        """A step's items, starting with each request's decode token: positions `[start, start + 1)`."""
+        return StepItems(self.reqs, self.starts)
 
     def step(self) -> StepRows:
         """The decode tokens in page-table terms; their ids are read on the device (the last step sampled
@@ -59,3 +61,27 @@ class RunningRows:
                 req.num_computed += self.pending
                 req.launched += self.pending
             self.pending = 0
+
+
+class StepItems(Sequence[Item]):
+    """A step's items: the running requests' decode tokens, then its prefill chunks (`prefill`). The decode
+    items are made only when read one by one: a steady decode step reads how many there are."""
+
+    def __init__(self, reqs: list[Req], starts: np.ndarray):
+        self._reqs = reqs
+        self._starts = starts  # never modified (`RunningRows.advance` makes a new array)
+        self.prefill: list[Item] = []
+
+    def append(self, item: Item) -> None:
+        """Adds a prefill chunk."""
+        self.prefill.append(item)
+
+    def __len__(self) -> int:
+        return len(self._reqs) + len(self.prefill)
+
+    def __iter__(self) -> Iterator[Item]:
+        yield from zip(self._reqs, self._starts.tolist(), (self._starts + 1).tolist())
+        yield from self.prefill
+
+    def __getitem__(self, index: int | slice) -> Item | list[Item]:
+        return list(self)[index]

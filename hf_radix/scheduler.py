@@ -9,7 +9,6 @@ overlap on and off (greedy and seeded sampling).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -26,7 +25,7 @@ from .logprobs import target_logprobs
 from .model_runner import ModelRunner
 from .radix_tree import RadixPrefixCache
 from .request import Req
-from .running_rows import Item, RunningRows
+from .running_rows import Item, RunningRows, StepItems
 from .sampling import Sampler
 from .schedule_policy import PrefixAwareQueue
 from .step_completion import LaunchedStep, StepCompleter, copy_to_host
@@ -76,7 +75,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
         self.overlap = overlap
-        self.profile = profile and engine.device.type == "cuda"
+        self._on_cuda = engine.device.type == "cuda"
+        self.profile = profile and self._on_cuda
         self.sampler = Sampler(engine.device)
         stop_strings = StopStringDetector(tokenizer) if tokenizer is not None else None
         self.completer = StepCompleter(
@@ -175,7 +175,7 @@ class Scheduler:
         ps = self.manager.page_size
         return sum(self.manager.pages_for(self.manager.row_len(r.row), r.final_len) * ps for r in reqs)
 
-    def _schedule(self) -> list[Item]:
+    def _schedule(self) -> StepItems:
         """One step: every running request's next token, then prefill chunks under the token budget
         (which counts both), keeping room for what admitted requests will still decode."""
         items = self._running().items()
@@ -243,13 +243,13 @@ class Scheduler:
             cached.settle()
 
     # -- launching a step ----------------------------------------------------------------------------
-    def _step_rows(self, items: list[Item], running: RunningRows) -> StepRows:
+    def _step_rows(self, items: StepItems, running: RunningRows) -> StepRows:
         """The step in page-table terms; decode tokens are read on the device (the last step sampled them).
 
         The first items are `running`'s decode tokens (one each), the rest prefill chunks.
         """
         decode = running.step()
-        prefill = items[len(running.reqs) :]
+        prefill = items.prefill
         if not prefill:
             return decode
         table = np.array([(req.row, s, e) for req, s, e in prefill], dtype=np.int64).reshape(-1, 3)
@@ -267,7 +267,7 @@ class Scheduler:
             from_table=decode.from_table,
         )
 
-    def _launch(self, items: list[Item]) -> LaunchedStep:
+    def _launch(self, items: StepItems) -> LaunchedStep:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
         running = self._running()  # the first items (see `_schedule`)
         decoding = len(running.reqs)
@@ -285,7 +285,7 @@ class Scheduler:
         joining: list[Req] = []  # requests whose prefill ends this step: their first token
         join_rows: list[int] = []  # their logits rows
         offset = decoding
-        for req, start, end in items[decoding:]:
+        for req, start, end in items.prefill:
             wanted = req.logits_offsets(start, end) if step.logits_offsets is not None else None
             count = 1 if wanted is None else len(wanted)
             if req.score_from is not None:
@@ -321,7 +321,7 @@ class Scheduler:
             tokens_host = copy_to_host(tokens)
         scores = self._scores(logits, score_rows, [t for _, t, _ in scored]) if scored else None
         done = None
-        if self.engine.device.type == "cuda":
+        if self._on_cuda:
             done = torch.cuda.Event()
             done.record()
         if timer is not None:
@@ -331,7 +331,7 @@ class Scheduler:
         scored_counts = [(r, len(t), end) for r, t, end in scored]
         return LaunchedStep(sampled, tokens_host, last, scored_counts, scores, done, decode)
 
-    def _advance(self, items: list[Item], running: RunningRows) -> list[int]:
+    def _advance(self, items: StepItems, running: RunningRows) -> list[int]:
         """Host state after launching a step: what is computed, which requests prefill, decode or drain.
 
         Returns the positions among the step's sampled requests (running ones, then those whose prefill
@@ -345,31 +345,37 @@ class Scheduler:
             self._settle()
             last = [i for i, r in enumerate(running.reqs) if r.launched >= r.launch_limit]
             done = [running.reqs[i] for i in last]
-        joined = decoding
-        prefill = items[decoding:]
-        with self.manager.lazy_free_region() if prefill else contextlib.nullcontext():
-            for req, _, end in prefill:
-                req.num_computed = end
-                if not req.prefilled:
-                    self.manager.cache_req(req.row, req.ids, end, finished=False)
-                    continue
-                self.prefilling.remove(req)
-                self.manager.cache_req(req.row, req.ids, end, finished=False)
-                if req.score_from is not None:  # cached now for later steps; released with its scores
-                    self.draining.append(req)
-                    continue
-                req.launch_limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
-                req.launched += 1
-                if req.launched < req.launch_limit:
-                    self._settle()
-                    self.running.append(req)
-                else:
-                    self.draining.append(req)
-                    last.append(joined)
-                joined += 1
+        if items.prefill:
+            with self.manager.lazy_free_region():
+                last += self._advance_prefill(items.prefill, decoding)
         for req in done:
             self.running.remove(req)
             self.draining.append(req)
+        return last
+
+    def _advance_prefill(self, prefill: list[Item], joined: int) -> list[int]:
+        """Host state after launching prefill chunks; `joined`: the step's sampled running requests. Returns
+        the positions among the step's sampled requests of those whose prefill ends with their last token."""
+        last: list[int] = []
+        for req, _, end in prefill:
+            req.num_computed = end
+            if not req.prefilled:
+                self.manager.cache_req(req.row, req.ids, end, finished=False)
+                continue
+            self.prefilling.remove(req)
+            self.manager.cache_req(req.row, req.ids, end, finished=False)
+            if req.score_from is not None:  # cached now for later steps; released with its scores
+                self.draining.append(req)
+                continue
+            req.launch_limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
+            req.launched += 1
+            if req.launched < req.launch_limit:
+                self._settle()
+                self.running.append(req)
+            else:
+                self.draining.append(req)
+                last.append(joined)
+            joined += 1
         return last
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
@@ -381,19 +387,18 @@ class Scheduler:
     def _complete(self, launched: LaunchedStep) -> None:
         """Reads a step's results (waiting only for that step) and finishes the requests that are done."""
         self._waited += self.completer.wait(launched)
-        with self.manager.lazy_free_region():
-            if launched.scores is not None:
+        if launched.scores is not None:
+            with self.manager.lazy_free_region():
                 for req in self.completer.read_scores(launched):
                     self.draining.remove(req)
                     self.completer.release(req, "length", None)
-            if launched.tokens is None:
-                return
-            finished = self.completer.read_tokens(launched)
-            if finished:
-                self._settle()
-            for req, reason in finished:
-                (self.running if req in self.running else self.draining).remove(req)
-                self.completer.release(req, reason, None)
+        finished = [] if launched.tokens is None else self.completer.read_tokens(launched)
+        if finished:
+            self._settle()
+            with self.manager.lazy_free_region():
+                for req, reason in finished:
+                    (self.running if req in self.running else self.draining).remove(req)
+                    self.completer.release(req, reason, None)
 
     def _collect_gpu_times(self) -> None:
         if self._timed:

@@ -132,18 +132,18 @@ class SharedPrefixDecode:
         """The shared-prefix attention of a decode step (padding rows included), or None: per-row.
         `count=False`: the step is planned ahead (its run counts it in `steps`).
 
-        O(1) Python work while the batch's rows are unchanged and no row's lock moved since the last call
-        (the manager's `lock_version`); otherwise the rows' locks are compared and the plan rebuilt if
-        they differ.
+        O(1) Python work while the batch's rows are unchanged (the same read-only array, or equal ones) and
+        no row's lock moved since the last call (the manager's `lock_version`); otherwise the rows' locks
+        are compared and the plan rebuilt if they differ.
         """
         rows = step.rows
         manager = self.engine.manager
-        same_rows = self._rows is not None and np.array_equal(rows, self._rows)
+        same_rows = rows is self._rows or (self._rows is not None and np.array_equal(rows, self._rows))
         if not (same_rows and manager.lock_version == self._lock_version):
             handles = [None if r == PADDING_ROW else manager.row_handle(r) for r in rows.tolist()]
             if not (same_rows and all(a is b for a, b in zip(handles, self._handles))):
-                # held: a lock's id is never reused meanwhile
-                self._rows, self._handles = rows.copy(), handles
+                # held: a lock's id is never reused meanwhile; read-only rows (a steady batch's) as they are
+                self._rows, self._handles = rows if not rows.flags.writeable else rows.copy(), handles
                 self._share = self._plan(step, handles)
             self._lock_version = manager.lock_version
         if self._share is not None and count:

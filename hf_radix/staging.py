@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 RING = 8  # pinned buffers; a step makes one to three uploads
+MAX_LAYOUTS = 32  # packed layouts kept by their arrays' sizes
 # Every array handed to a kernel starts on a 16-byte boundary: Triton compiles a variant per alignment of
 # its pointer arguments, so views at offsets that follow the batch's sizes would compile new variants.
 ALIGN_BYTES = 16
@@ -73,6 +74,19 @@ class StaticBlock:
         self.block = block
         self.flat = block[: layout.total]
         self.views = layout.views(self.flat)
+        self._behind: tuple[PackedLayout, torch.Tensor, list[torch.Tensor]] | None = None
+
+    def behind(self, layout: PackedLayout) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """Where an upload of `layout` behind the block's own lands when it fits the block (None if not):
+        the block's words it is copied into, and `layout`'s views there (kept for the last layout)."""
+        kept = self._behind
+        if kept is None or kept[0] is not layout:
+            total = self.layout.total + layout.total
+            if total > self.block.numel():
+                return None
+            destination = self.block[:total]
+            kept = self._behind = (layout, destination, layout.views(destination[self.layout.total:]))
+        return kept[1], kept[2]
 
 
 def _pack(
@@ -98,6 +112,7 @@ class HostStaging:
         self._events: list[torch.cuda.Event | None] = [None] * ring
         self._next = 0
         self.uploads = 0
+        self._layouts: dict[tuple[tuple[int, ...], tuple[int, ...]], PackedLayout] = {}  # by the sizes
 
     def upload(
         self, parts: Sequence[np.ndarray], narrow: Sequence[np.ndarray] = (), *,
@@ -113,11 +128,9 @@ class HostStaging:
         are those of `parts` and `narrow` alone, in the block's room behind the layout when they fit there
         (one copy in all; valid until the next upload into the block) or sent beside it.
         """
-        sizes, narrow_sizes = [len(p) for p in parts], [len(p) for p in narrow]
-        offsets, wide = aligned_offsets(sizes, 8)
-        narrow_offsets, count = aligned_offsets(narrow_sizes, 4)
+        layout = self._layout(tuple(map(len, parts)), tuple(map(len, narrow)))
         start = 0 if into is None else into.layout.total
-        total = start + wide + count // 2  # `count` is a whole number of aligned int64 pairs' worth of int32s
+        total = start + layout.total
         self.uploads += 1
         cuda = self.device.type == "cuda"
         if cuda:
@@ -138,19 +151,28 @@ class HostStaging:
             source = torch.from_numpy(host)
         if into is not None:
             into.layout.pack(host, into_parts, into_narrow)
-        _pack(host[start:], offsets, parts, wide, narrow_offsets, narrow)
+        layout.pack(host[start:], parts, narrow)
         if into is None:
-            packed = source.to(self.device, non_blocking=True)  # off CUDA: `source` itself
-        elif total <= into.block.numel():
-            packed = into.block[:total].copy_(source, non_blocking=True)[start:]
+            out = layout.views(source.to(self.device, non_blocking=True))  # off CUDA: `source` itself
+        elif (behind := into.behind(layout)) is not None:
+            destination, views = behind
+            destination.copy_(source, non_blocking=True)
+            out = list(views)
         else:
             into.flat.copy_(source[:start], non_blocking=True)
-            packed = source[start:].to(self.device, non_blocking=True)
+            out = layout.views(source[start:].to(self.device, non_blocking=True))
         if cuda:
             if event is None:
                 event = self._events[slot] = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))  # the stream the copies were queued on
-        out = aligned_views(packed, offsets, sizes)
-        if narrow:
-            out += aligned_views(packed[wide:].view(torch.int32), narrow_offsets, narrow_sizes)
         return out
+
+    def _layout(self, sizes: tuple[int, ...], narrow_sizes: tuple[int, ...]) -> PackedLayout:
+        """The packed layout of arrays of these sizes, made once per sizes (a steady decode step's repeat)."""
+        key = (sizes, narrow_sizes)
+        layout = self._layouts.get(key)
+        if layout is None:
+            if len(self._layouts) >= MAX_LAYOUTS:  # prefill chunks' sizes vary: keep few
+                self._layouts.clear()
+            layout = self._layouts[key] = PackedLayout(sizes, narrow_sizes)
+        return layout

@@ -67,9 +67,8 @@ class StepCompleter:
 
     def start(self, reqs: Sequence[Req], bar) -> None:
         """Prepares a run of the admitted `reqs`; `bar` counts released requests."""
-        self._stop_ids = np.fromiter(
-            set(self.eos_token_ids).union(*(r.params.stop_token_ids for r in reqs)), dtype=np.int64
-        )
+        eos = self.eos_token_ids if any(not r.params.ignore_eos for r in reqs) else ()
+        self._stop_ids = np.fromiter(set(eos).union(*(r.params.stop_token_ids for r in reqs)), dtype=np.int64)
         self._stop_strings = self.stop_strings is not None and any(r.params.stop for r in reqs)
         self._bar = bar
 
@@ -140,7 +139,7 @@ class StepCompleter:
         that stops some request of the run, a last token, or any token of a request with stop strings."""
         found = set(launched.last)
         if len(self._stop_ids):
-            found.update(np.flatnonzero(np.isin(tokens, self._stop_ids)).tolist())
+            found.update((tokens[:, None] == self._stop_ids).any(axis=1).nonzero()[0].tolist())
         if self._stop_strings:
             found.update(i for i, req in enumerate(launched.sampled) if req.params.stop)
         return sorted(found)

@@ -20,7 +20,7 @@ from twin_tables import cpu_and_cuda_tables
 
 from hf_radix import RadixBatchRunner, SamplingParams, cuda_graph
 from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
-from hf_radix.forward_batch import GraphInputs, build_forward_batch
+from hf_radix.forward_batch import GraphInputs, build_forward_batch, gather_contexts
 from hf_radix.staging import ALIGN_BYTES, HostStaging, PackedLayout, StaticBlock
 
 NEW = 7
@@ -121,6 +121,36 @@ def test_an_upload_into_a_static_block_fills_its_layout_and_returns_the_rest(roo
     in_block = rest[0].data_ptr() - block.block.data_ptr()
     assert (0 < in_block < block.block.numel() * 8) == bool(room) and staging.uploads == 1
 
+
+def test_repeated_uploads_into_a_static_block_return_each_uploads_values():
+    """Uploads of one shape reuse their layout and, in the block, the same views: each returns its own
+    values; another shape in between (or one that does not fit behind the layout) gets its own."""
+    staging = HostStaging("cpu")
+    layout = PackedLayout([2], [2])
+    block = StaticBlock(layout, torch.zeros(layout.total + 8, dtype=torch.int64))
+    seen = []
+    for step, sizes in enumerate([(3, 2), (3, 2), (4,), (3, 2), (9,)]):
+        parts = [np.arange(n) + 10 * step for n in sizes]
+        rest = staging.upload(parts, into=block, into_parts=[np.array([step, step])])
+        assert [t.tolist() for t in rest] == [p.tolist() for p in parts]
+        assert block.views[0].tolist() == [step, step]
+        seen.append([t.data_ptr() for t in rest])
+    assert seen[0] == seen[1] == seen[3] and seen[2][0] == seen[0][0]
+    assert not block.block.data_ptr() <= seen[4][0] < block.block.data_ptr() + 8 * block.block.numel()
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_gathered_slot_lists_are_each_rows_run_empty_runs_included(into: bool):
+    """`gather_contexts` concatenates `slots[rows[i], :lengths[i]]`, rows of no positions skipped."""
+    width, rows, lengths = 8, np.array([3, 1, 2, 3, 2]), np.array([2, 0, 0, 8, 1])
+    slots = torch.arange(40, dtype=torch.int32) * 3
+    indptr = np.r_[0, np.cumsum(lengths)]
+    bases = torch.from_numpy(rows * width - indptr[:-1])
+    out = torch.full((20,), -1, dtype=torch.int64) if into else None
+    got = gather_contexts(slots, bases, torch.from_numpy(indptr.astype(np.int32)), int(indptr[-1]), out=out)
+    want = np.concatenate([slots.numpy().reshape(-1, width)[r, :n] for r, n in zip(rows, lengths)])
+    assert got.dtype == torch.int64 and got.tolist() == want.tolist()
+    assert out is None or (got.data_ptr() == out.data_ptr() and out[len(want):].eq(-1).all())
 
 def test_each_shape_lays_out_its_inputs_aligned_in_one_block():
     block, kv = torch.zeros(GraphInputs.layout(9, 32, 9).total, dtype=torch.int64), torch.zeros(64)

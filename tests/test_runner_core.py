@@ -95,6 +95,22 @@ def test_staggered_stops_with_new_prefills_joining(monkeypatch):
     assert runner.engine.manager.num_rows == 0
 
 
+@pytest.mark.parametrize("ignoring", [(True, False, True, False), (True,) * 4])
+def test_eos_stops_the_requests_that_do_not_ignore_it(ignoring: tuple[bool, ...]):
+    """The model's EOS stops each request that does not ignore it at its first occurrence; the others (in
+    the same run, or every request of a run) go on to their length."""
+    prompts = _prompts(4, len(ignoring))
+    refs = [_reference("llama", tuple(p)) for p in prompts]
+    model = fresh_model("llama")
+    model.generation_config.eos_token_id = eos = refs[1][3]
+    runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=2048)
+    outs = runner.run(prompts, [SamplingParams(max_new_tokens=NEW, ignore_eos=i) for i in ignoring])
+    for ref, out, ignores in zip(refs, outs, ignoring):
+        stops = not ignores and eos in ref
+        assert out.token_ids == (ref[: ref.index(eos) + 1] if stops else ref)
+        assert out.finish_reason == ("stop" if stops else "length")
+
+
 @pytest.mark.parametrize("page_size", [1, 2])
 def test_overlap_on_and_off_give_identical_outputs(page_size: int, monkeypatch):
     prompts = _prompts(3, 10)
