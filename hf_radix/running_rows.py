@@ -72,10 +72,6 @@ class StepItems(Sequence[Item]):
         self._starts = starts  # never modified (`RunningRows.advance` makes a new array)
         self.prefill: list[Item] = []
 
-    def append(self, item: Item) -> None:
-        """Adds a prefill chunk."""
-        self.prefill.append(item)
-
     def __len__(self) -> int:
         return len(self._reqs) + len(self.prefill)
 

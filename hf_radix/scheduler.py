@@ -188,7 +188,7 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(req.prompt_len, req.num_computed + budget)
-            items.append((req, req.num_computed, end))
+            items.prefill.append((req, req.num_computed, end))
             budget -= end - req.num_computed
             self._note_in_batch(in_batch, req, end)
         deferred: list[Req] = []
@@ -213,7 +213,7 @@ class Scheduler:
             req.host_cached_tokens = handle.restored_len
             self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
             end = min(req.prompt_len, req.num_computed + budget)
-            items.append((req, req.num_computed, end))
+            items.prefill.append((req, req.num_computed, end))
             budget -= end - req.num_computed
             reserved += need
             self.prefilling.append(req)
