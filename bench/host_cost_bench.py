@@ -181,7 +181,7 @@ def _stub_slot_lists():
     host work."""
     real = forward_batch.gather_contexts
 
-    def gather(flat_slots, bases, indptr, total, out=None):
+    def gather(flat_slots, bases, indptr, total, longest, out=None):
         return torch.empty(total, dtype=torch.int64) if out is None else out[:total]
 
     forward_batch.gather_contexts = gather

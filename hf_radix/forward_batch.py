@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .kernels import triton_runs_on
 from .page_table import PageTable
 from .staging import PackedLayout, StaticBlock
 
@@ -164,27 +165,28 @@ def _token_layout(step: StepRows, decode: bool) -> tuple[np.ndarray, np.ndarray,
 
 
 def gather_contexts(
-    flat_slots: torch.Tensor, bases: torch.Tensor, indptr: torch.Tensor, total: int,
+    flat_slots: torch.Tensor, bases: torch.Tensor, indptr: torch.Tensor, total: int, longest: int,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Runs of the flat device table, concatenated (int64), on the device, without a sync: entry `k` of
     the result lies in run `i` (`indptr[i] <= k < indptr[i + 1]`: the runs' offsets, int32, `total` the
-    last) and reads `flat_slots[bases[i] + k]`.
+    last, `longest` the longest run's length) and reads `flat_slots[bases[i] + k]`.
 
     With `bases[i] = rows[i] * width - indptr[i]` that is `slots[rows[i], :indptr[i + 1] - indptr[i]]` of
     every row. With `out` (int64, at least `total` long) the result is written into its first `total`
-    entries (and returned). Each entry finds its run by a binary search: fewer launches than
-    `repeat_interleave`, whose scan costs the host more.
+    entries (and returned). One Triton launch where Triton runs (`kernels.triton_slots`); otherwise each
+    entry finds its run by a binary search.
     """
     if total == 0:
         return bases[:0] if out is None else out[:0]
+    out = torch.empty(total, dtype=torch.int64, device=flat_slots.device) if out is None else out[:total]
+    if triton_runs_on(flat_slots):
+        from .kernels.triton_slots import gather_runs
+
+        return gather_runs(flat_slots, bases, indptr, longest, out)
     position = torch.arange(total, dtype=indptr.dtype, device=flat_slots.device)
     run = torch.searchsorted(indptr[1:], position, right=True)
-    if out is None:
-        flat = bases.index_select(0, run)
-        flat += position
-        return flat_slots.index_select(0, flat).long()
-    out = torch.index_select(bases, 0, run, out=out[:total])
+    torch.index_select(bases, 0, run, out=out)
     out += position
     return out.copy_(flat_slots.index_select(0, out))
 
@@ -228,6 +230,7 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         input_ids = table.next_token.index_select(0, table_rows)
     elif len(from_table):
         input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
+    longest_context = int(seq.max(initial=0))
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
@@ -235,15 +238,17 @@ def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "bot
         qo_indptr=qo_d,
         prefix_lens=prefix32,
         seq_lens=seq32,
-        kv_indices=gather_contexts(table.flat_slots, context_d, kv_indptr32, context_total),
+        kv_indices=gather_contexts(table.flat_slots, context_d, kv_indptr32, context_total, longest_context),
         kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(table.flat_slots, prefix_d, prefix_indptr32, prefix_total),
+        prefix_kv_indices=gather_contexts(
+            table.flat_slots, prefix_d, prefix_indptr32, prefix_total, int(prefix.max(initial=0))
+        ),
         prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
         seq_lens_host=seq,
         max_new_len=int(new.max(initial=0)),
-        max_kv_len=int(seq.max(initial=0)),
+        max_kv_len=longest_context,
     )
 
 
@@ -294,4 +299,5 @@ def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> 
         torch.index_select(table.next_token, 0, table_rows, out=inputs.input_ids)
     elif len(from_table):
         inputs.input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
-    gather_contexts(table.flat_slots, bases, inputs.kv_indptr, int(indptr[-1]), out=inputs.kv)
+    gather_contexts(table.flat_slots, bases, inputs.kv_indptr, int(indptr[-1]), int(lens.max(initial=0)),
+                    out=inputs.kv)

@@ -25,7 +25,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.utils import logging
 
-from .kernels import interpreting
+from .kernels import triton_runs_on
 
 logger = logging.get_logger(__name__)
 
@@ -59,7 +59,7 @@ def _norm_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if (
             not _fusing.get()
-            or not _kernel_runs_on(hidden_states)
+            or not triton_runs_on(hidden_states)
             or hidden_states.stride(-1) != 1
             or hidden_states.shape[-1] != module.weight.shape[-1]
         ):
@@ -69,13 +69,8 @@ def _norm_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     return forward
 
 
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """A CUDA tensor, or any under the Triton interpreter (a CPU model in another thread falls back)."""
-    return tensor.is_cuda or interpreting()
-
-
 def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-    if not _kernel_runs_on(q):
+    if not triton_runs_on(q):
         return False
     if (q.dim(), k.dim(), cos.dim()) != (4, 4, 3) or cos.shape != sin.shape or cos.stride() != sin.stride():
         return False

@@ -265,10 +265,10 @@ class RadixGenerateCache(RadixCache):
         """Matches and locks each row's cached prefix (the first forward of the call)."""
         step = embeds if embeds is not None else input_ids
         size, width = step.shape[0], step.shape[1]
+        ids, mask = _host_inputs(None if embeds is not None else input_ids[:, width - fresh:], mask, fresh)
         if mask is None:
             lens = [fresh] * size
         else:
-            mask = mask[:, -fresh:].cpu().numpy().astype(bool)
             counts = mask.sum(1)
             left_padded = np.arange(fresh)[None, :] >= (fresh - counts)[:, None]
             if not np.array_equal(mask, left_padded):
@@ -279,7 +279,6 @@ class RadixGenerateCache(RadixCache):
             lens = counts.tolist()
         if min(lens) == 0:
             raise ValueError(f"row {lens.index(0)} of the batch is empty (all padding)")
-        ids = None if embeds is not None else input_ids[:, width - fresh:].tolist()
         manager = self.engine.manager
         first_row_of: dict[tuple[int, ...], int] = {}
         for b, n in enumerate(lens):
@@ -468,3 +467,15 @@ def _wait_for(stream: torch.cuda.Stream | None) -> None:
     """Orders the current stream's later work after everything queued on `stream` so far."""
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
+
+
+def _host_inputs(
+    ids: torch.Tensor | None, mask: torch.Tensor | None, fresh: int
+) -> tuple[list[list[int]] | None, np.ndarray | None]:
+    """The new positions' ids (lists) and attention mask (bool) on the host: one copy when both are on
+    one device (each copy from a GPU waits for it)."""
+    mask = None if mask is None else mask[:, -fresh:]
+    if ids is not None and mask is not None and ids.device == mask.device and ids.shape == mask.shape:
+        both = torch.stack([ids, mask.to(ids.dtype)]).cpu().numpy()
+        return both[0].tolist(), both[1].astype(bool)
+    return (None if ids is None else ids.tolist(), None if mask is None else mask.cpu().numpy().astype(bool))

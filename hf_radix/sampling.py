@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .kernels import triton_runs_on
 from .page_table import to_device
 
 
@@ -172,22 +173,6 @@ def sample_rows_torch(
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _kernel_runs_on(tensor: torch.Tensor) -> bool:
-    """A CUDA tensor with triton importable, or any under the Triton interpreter."""
-    from .kernels import interpreting
-
-    return (tensor.is_cuda or interpreting()) and _triton_importable()
-
-
 @dataclass
 class _StagedBatch:
     """Device copies of the parameters of one batch's rows (greedy rows: inverse temperature 0)."""
@@ -232,7 +217,7 @@ class Sampler:
         if not staged.sampled_uids:
             return logits.argmax(dim=-1)
         args = (staged.inv_temperature, staged.top_k, staged.top_p, staged.seed_keys, staged.steps)
-        if _kernel_runs_on(logits):
+        if triton_runs_on(logits):
             from .kernels.triton_sampling import sample_rows
 
             # advances staged.steps

@@ -147,7 +147,8 @@ def test_gathered_slot_lists_are_each_rows_run_empty_runs_included(into: bool):
     indptr = np.r_[0, np.cumsum(lengths)]
     bases = torch.from_numpy(rows * width - indptr[:-1])
     out = torch.full((20,), -1, dtype=torch.int64) if into else None
-    got = gather_contexts(slots, bases, torch.from_numpy(indptr.astype(np.int32)), int(indptr[-1]), out=out)
+    got = gather_contexts(slots, bases, torch.from_numpy(indptr.astype(np.int32)), int(indptr[-1]),
+                          int(lengths.max()), out=out)
     want = np.concatenate([slots.numpy().reshape(-1, width)[r, :n] for r, n in zip(rows, lengths)])
     assert got.dtype == torch.int64 and got.tolist() == want.tolist()
     assert out is None or (got.data_ptr() == out.data_ptr() and out[len(want):].eq(-1).all())

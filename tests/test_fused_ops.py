@@ -66,7 +66,7 @@ def test_rope_shapes_the_kernel_does_not_take_fall_back(monkeypatch) -> None:
     q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
     cos = torch.zeros(1, 3, 16)
     assert not fused_ops._rope_fits(q, k, cos, cos)  # CPU tensors outside the interpreter
-    monkeypatch.setattr(fused_ops, "interpreting", lambda: True)
+    monkeypatch.setattr(fused_ops, "triton_runs_on", lambda tensor: True)
     assert fused_ops._rope_fits(q, k, cos, cos)
     assert not fused_ops._rope_fits(q, k, cos.half(), cos.half())
     assert not fused_ops._rope_fits(q[..., :12], k[..., :12], cos[..., :12], cos[..., :12])  # not 2^n

@@ -342,7 +342,7 @@ def _interp_sampler_on_the_kernel() -> dict[str, Any]:
                [mates[2], (9, params), mates[1]], [mates[2], mates[0]], [mates[1], mates[0]]]
     alone = _run(Sampler("cpu"), logits_of, [[(0, params)]] * 4)[0]
     mixed = _run(Sampler("cpu"), logits_of, batches)
-    sampling._kernel_runs_on = lambda tensor: False
+    sampling.triton_runs_on = lambda tensor: False
     torch_path = _run(Sampler("cpu"), logits_of, batches)
     return {"ok": mixed[9] == alone and mixed == torch_path, "alone": alone, "mixed": mixed,
             "torch": torch_path}

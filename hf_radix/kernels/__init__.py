@@ -5,9 +5,12 @@ Submodules are imported lazily so that ``import hf_radix.kernels`` does not pull
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from typing import Any
+
+import torch
 
 _EXPORTS = {
     "extend_attention": "triton_attention",
@@ -18,14 +21,30 @@ _EXPORTS = {
     "store_kv": "store",
     "cuda_store_available": "store",
     "build_store_kernel": "store",
+    "gather_runs": "triton_slots",
 }
 
-__all__ = [*_EXPORTS, "interpreting"]
+__all__ = [*_EXPORTS, "interpreting", "triton_runs_on"]
 
 
 def interpreting() -> bool:
     """Whether Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take `tensor`: a CUDA tensor with triton importable, or any under the
+    Triton interpreter (a CPU model, in another thread say, takes the torch path)."""
+    return (tensor.is_cuda or interpreting()) and _triton_importable()
 
 
 def __getattr__(name: str) -> Any:
