@@ -220,7 +220,7 @@ def test_runner_decode_with_shared_prefix_matches_hf(arch: str, page_size: int, 
     from hf_radix.tiny import tiny_model
 
     model = tiny_model(arch).cuda()
-    configure(model, shared_prefix_mode=mode)
+    configure(model, shared_prefix_mode=mode, max_total_tokens=8192)  # (a small pool: tests share the GPU)
     runner = RadixBatchRunner(model, page_size=page_size, max_total_tokens=8192, attn_backend="triton",
                               cuda_graph=cuda_graph, max_running_requests=12, warm_up=False)
     core = runner.model_runner
