@@ -21,7 +21,6 @@ _EXPORTS = {
     "store_kv": "store",
     "cuda_store_available": "store",
     "build_store_kernel": "store",
-    "gather_runs": "triton_slots",
 }
 
 __all__ = [*_EXPORTS, "interpreting", "triton_runs_on"]
