@@ -220,14 +220,6 @@ class _CapturedForwards(abc.ABC):
         """A batch of the shape `key` made of padding alone (what a graph is captured with)."""
 
 
-def _padding_rows(count: int, prefix: int = 0, new: int = 0) -> dict[str, np.ndarray]:
-    return {
-        "rows": np.full(count, PADDING_ROW, dtype=np.int64),
-        "prefix_lens": np.full(count, prefix, dtype=np.int64),
-        "new_lens": np.full(count, new, dtype=np.int64),
-    }
-
-
 @dataclasses.dataclass(frozen=True)
 class _PreparedStep:
     """A decode step whose inputs `DecodeGraphs.prepare` loaded: valid while nothing else loaded since."""
@@ -384,16 +376,21 @@ class ExtendGraphs(_CapturedForwards):
         return [(r, t) for r in self.row_sizes for t in self.token_sizes if t >= r]
 
     def _pad(self, rows: int, tokens: int, step: StepRows) -> StepRows:
-        empty = _padding_rows(rows - step.batch_size)
+        empty = rows - step.batch_size
         pad = tokens - step.num_tokens
         offsets = [np.array([n - 1], dtype=np.int64) for n in step.new_lens.tolist()]
+        # empty rows (page-table padding row, nothing cached, no token), then the padding row of `pad` tokens
+        tail_rows = np.full(empty + 1, PADDING_ROW, dtype=np.int64)
+        tail_prefix = np.zeros(empty + 1, dtype=np.int64)
+        tail_new = tail_prefix.copy()
+        tail_new[-1] = pad
         return StepRows(
-            rows=np.r_[step.rows, empty["rows"], PADDING_ROW],
-            prefix_lens=np.r_[step.prefix_lens, empty["prefix_lens"], 0],
-            new_lens=np.r_[step.new_lens, empty["new_lens"], pad],
-            input_ids=np.r_[step.input_ids, np.zeros(pad, dtype=np.int64)],
+            rows=np.concatenate([step.rows, tail_rows]),
+            prefix_lens=np.concatenate([step.prefix_lens, tail_prefix]),
+            new_lens=np.concatenate([step.new_lens, tail_new]),
+            input_ids=np.concatenate([step.input_ids, np.zeros(pad, dtype=np.int64)]),
             # an empty row's "last token" is the one before it (a real row's); the padding row has no logits
-            logits_offsets=[*offsets, *[np.full(1, -1, dtype=np.int64)] * len(empty["rows"]), _EMPTY],
+            logits_offsets=[*offsets, *[np.full(1, -1, dtype=np.int64)] * empty, _EMPTY],
             from_table=step.from_table,
         )
 

@@ -20,6 +20,7 @@ from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .forward_context import current_forward, model_attention, radix_forward
 from .model_runner import ModelRunner
+from .row_tokens import RowTokens
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -58,7 +59,7 @@ class RadixGenerateCache(RadixCache):
         self.num_return_sequences = num_return_sequences
         self.supports_logits_to_keep = logits_to_keep
         self.rows: list[int | None] = []  # page-table row of each batch row; None once released
-        self.tokens: list[list[int]] = []  # real (unpadded) tokens of each batch row
+        self.tokens = RowTokens([])  # real (unpadded) tokens of each batch row
         self.computed: list[int] = []  # tokens of each row with K/V in the pool
         self.prompt_lens: list[int] = []
         self.opaque: list[bool] = []  # prompt given as inputs_embeds: nothing of the row is matched or cached
@@ -113,7 +114,7 @@ class RadixGenerateCache(RadixCache):
         output.logits = logits[:, None, :]
         for b in range(len(self.rows)):
             if b not in self._followers:
-                self.computed[b] = len(self.tokens[b])
+                self.computed[b] = self.tokens.length(b)
         if self.steps == 0:
             self._embeds = None
             self._cache_prompts()
@@ -148,8 +149,7 @@ class RadixGenerateCache(RadixCache):
         elif embeds is not None:
             raise ValueError("cache_implementation='radix' takes inputs_embeds for the prompt only")
         else:
-            for row, ids in enumerate(input_ids[:, width - fresh:].tolist()):
-                self.tokens[row].extend(ids)
+            self.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
         self.seen = total
         if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(model)
@@ -203,7 +203,7 @@ class RadixGenerateCache(RadixCache):
         return StepRows.of(
             [self.rows[b] for b in rows],
             [self.computed[b] for b in rows],
-            [np.asarray(self.tokens[b][self.computed[b] :], dtype=np.int64) for b in rows],
+            [self.tokens.row(b)[self.computed[b] :] for b in rows],
         )
 
     def _allocate(self, step: StepRows) -> None:
@@ -280,22 +280,24 @@ class RadixGenerateCache(RadixCache):
         if min(lens) == 0:
             raise ValueError(f"row {lens.index(0)} of the batch is empty (all padding)")
         manager = self.engine.manager
-        first_row_of: dict[tuple[int, ...], int] = {}
+        first_row_of: dict[bytes, int] = {}
+        prompts = []
         for b, n in enumerate(lens):
-            tokens = [OPAQUE_TOKEN] * n if ids is None else ids[b][fresh - n:]
-            handle = manager.match([] if ids is None else tokens)
+            tokens = np.full(n, OPAQUE_TOKEN, dtype=np.int64) if ids is None else ids[b, fresh - n:]
+            handle = manager.match(tokens[:0] if ids is None else tokens)
             manager.lock(handle)
             self.rows.append(manager.open_row(handle))
-            self.tokens.append(tokens)
+            prompts.append(tokens)
             self.computed.append(handle.cached_len)
             self.prompt_lens.append(n)
             self.opaque.append(ids is None)
-            leader = b if ids is None else first_row_of.setdefault(tuple(tokens), b)
+            leader = b if ids is None else first_row_of.setdefault(tokens.tobytes(), b)
             if leader != b:
                 self._followers[b] = leader
             self.engine.record_prompt(
                 n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
             )
+        self.tokens = RowTokens(prompts)
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         if self._followers:
@@ -336,14 +338,14 @@ class RadixGenerateCache(RadixCache):
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
         """Packs rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end)."""
         if ends is None:
-            ends = {b: len(self.tokens[b]) for b in self._compute_rows()}
+            ends = {b: self.tokens.length(b) for b in self._compute_rows()}
         rows = list(ends)
         manager = self.engine.manager
         manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
         step = StepRows.of(
             [self.rows[b] for b in rows],
             [self.computed[b] for b in rows],
-            [np.asarray(self.tokens[b][self.computed[b]:ends[b]], dtype=np.int64) for b in rows],
+            [self.tokens.row(b)[self.computed[b]:ends[b]] for b in rows],
             None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
         )
         batch = build_forward_batch(manager.table, step)
@@ -367,10 +369,10 @@ class RadixGenerateCache(RadixCache):
         """Computes the prompts in forwards of <= `prefill_chunk_size` tokens; generate's own is the last."""
         budget = self.prefill_chunk_size
         rows = self._compute_rows()
-        while sum(len(self.tokens[b]) - self.computed[b] for b in rows) > budget:
+        while sum(self.tokens.length(b) - self.computed[b] for b in rows) > budget:
             ends, left = {}, budget
             for b in rows:
-                take = min(len(self.tokens[b]) - self.computed[b] - 1, left)  # each row's last token stays
+                take = min(self.tokens.length(b) - self.computed[b] - 1, left)  # each row's last token stays
                 if take > 0:
                     ends[b] = self.computed[b] + take
                     left -= take
@@ -399,13 +401,13 @@ class RadixGenerateCache(RadixCache):
         manager = self.engine.manager
         for b, row in enumerate(self.rows):
             if row is not None and not self.opaque[b] and b not in self._followers:
-                manager.cache_req(row, self.tokens[b], self.computed[b], finished=False)
+                manager.cache_req(row, self.tokens.row(b), self.computed[b], finished=False)
         for b, leader in self._followers.items():
             # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
-            tokens, row = self.tokens[b], self.rows[b]
+            tokens, row = self.tokens.row(b), self.rows[b]
             self.rows[b] = None
             manager.cache_req(row, tokens, self.computed[b], finished=True)
-            handle = manager.match([*tokens, 0])
+            handle = manager.match(np.append(tokens, 0))
             manager.lock(handle)
             self.rows[b] = manager.open_row(handle)
             self.computed[b] = handle.cached_len
@@ -437,11 +439,12 @@ class RadixGenerateCache(RadixCache):
         generated = 0
         with manager.lazy_free_region():
             for b, row in enumerate(self.rows):
-                tokens = self.tokens[b] if last is None else [*self.tokens[b], last[b]]
+                tokens = self.tokens.row(b) if last is None else np.append(self.tokens.row(b), last[b])
                 keep = len(tokens)
                 if self.eos_token_ids:
-                    eos = (i + 1 for i in range(self.prompt_lens[b], keep) if tokens[i] in self.eos_token_ids)
-                    keep = next(eos, keep)
+                    answer = tokens[self.prompt_lens[b]:]
+                    ends = np.flatnonzero(np.isin(answer, list(self.eos_token_ids)))
+                    keep = self.prompt_lens[b] + int(ends[0]) + 1 if len(ends) else keep
                 generated += keep - self.prompt_lens[b]
                 if row is not None:
                     self.rows[b] = None
@@ -471,11 +474,12 @@ def _wait_for(stream: torch.cuda.Stream | None) -> None:
 
 def _host_inputs(
     ids: torch.Tensor | None, mask: torch.Tensor | None, fresh: int
-) -> tuple[list[list[int]] | None, np.ndarray | None]:
-    """The new positions' ids (lists) and attention mask (bool) on the host: one copy when both are on
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The new positions' ids (int64) and attention mask (bool) on the host: one copy when both are on
     one device (each copy from a GPU waits for it)."""
     mask = None if mask is None else mask[:, -fresh:]
     if ids is not None and mask is not None and ids.device == mask.device and ids.shape == mask.shape:
-        both = torch.stack([ids, mask.to(ids.dtype)]).cpu().numpy()
-        return both[0].tolist(), both[1].astype(bool)
-    return (None if ids is None else ids.tolist(), None if mask is None else mask.cpu().numpy().astype(bool))
+        both = torch.stack([ids.long(), mask.long()]).cpu().numpy()
+        return both[0], both[1].astype(bool)
+    host_ids = None if ids is None else ids.long().cpu().numpy()
+    return host_ids, None if mask is None else mask.cpu().numpy().astype(bool)

@@ -251,6 +251,10 @@ INTERP_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                    {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
                    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}]),
     ),
+    # two rows (a graph's row and its padding row, say), one long and one short: one launch of the tiles
+    # mapped onto rows serves both, the prefix split in two
+    "extend_few_rows_one_launch": ("extend", dict(rows=[(70, 40), (5, 2)], hq=8, hkv=2, d=16),
+                                   dict(num_splits=2)),
     # decode-like rows only: one launch, one program per row and KV head
     "extend_decode_like": ("extend", dict(rows=[(40, 1), (0, 1), (7, 2)], hq=4, hkv=1, d=16, page_size=2),
                            {}),
@@ -387,6 +391,10 @@ def test_extend_row_classes() -> None:
     assert _row_classes([c16, c64, c128], 64) == [(c16, 0, 16, True), (c64, 16, _NO_BOUND, True)]
     assert _row_classes([c16, c64, c128], 3) == [(c16, 0, _NO_BOUND, True)]
     assert _row_classes([c128], 3) == [(c128, 0, _NO_BOUND, False)]
+    # a graph's one row (and its padding row): one launch of the tiles mapped onto rows, unless one small
+    # tile holds every row
+    assert _row_classes([c16, c64, c128], 1000, batch=2) == [(c128, 0, _NO_BOUND, False)]
+    assert _row_classes([c16, c64, c128], 3, batch=2) == [(c16, 0, _NO_BOUND, True)]
 
 
 @settings(max_examples=60, deadline=None)

@@ -311,7 +311,7 @@ def extend_attention(
     gp = group if pack else 1
     heads = hkv if pack else hq
     max_q_rows = t * gp if max_new_len is None else min(max_new_len, t) * gp
-    classes = _row_classes(_extend_configs(d, q.dtype, q.device), max_q_rows)
+    classes = _row_classes(_extend_configs(d, q.dtype, q.device), max_q_rows, batch)
     if num_splits is None:
         num_splits = 1
         if max_prefix_len is not None:
@@ -351,13 +351,20 @@ def extend_attention(
 
 
 _NO_BOUND = 2**31 - 1
+# Batches of at most this many rows (a captured graph's one or two rows and its padding row) take one launch
+# of the tiles mapped onto rows: the launches of the other classes would cost more than the few tiles their
+# rows waste there.
+FEW_ROWS = 3
 RowClass = tuple[dict[str, int], int, int, bool]
 
 
-def _row_classes(configs: list[dict[str, int]], max_q_rows: int) -> list[RowClass]:
-    """(config, rows' query-row count bounds (lo, hi], one program per row) per launch, for rows of at most
-    ``max_q_rows`` query rows: a class whose tile holds the longest rows ends the list. Whether a class runs
-    one program per row depends on the class alone (one compiled variant each)."""
+def _row_classes(configs: list[dict[str, int]], max_q_rows: int, batch: int = FEW_ROWS + 1) -> list[RowClass]:
+    """(config, rows' query-row count bounds (lo, hi], one program per row) per launch, for `batch` rows of
+    at most ``max_q_rows`` query rows: a class whose tile holds the longest rows ends the list; at most
+    `FEW_ROWS` rows that would need several classes take the last class alone. Whether a class runs one
+    program per row depends on the class alone (one compiled variant each)."""
+    if batch <= FEW_ROWS and len(configs) > 1 and max_q_rows > configs[0]["BLOCK_M"]:
+        return [(configs[-1], 0, _NO_BOUND, False)]
     classes, lo = [], 0
     for i, cfg in enumerate(configs):
         row_grid = i < len(configs) - 1
