@@ -27,7 +27,19 @@ from common import build_llama  # noqa: E402
 from generate_bench import distinct_questions  # noqa: E402
 
 import hf_radix  # noqa: E402
-from hf_radix import cache_manager, cuda_graph, generate_hook, generate_session, model_runner  # noqa: E402
+from hf_radix import (  # noqa: E402
+    cache_manager,
+    cuda_graph,
+    engine,
+    forward_batch,
+    generate_hook,
+    generate_session,
+    model_runner,
+    page_table,
+    radix_tree,
+    staging,
+)
+from hf_radix.kernels import triton_slots  # noqa: E402
 
 
 class Stamps:
@@ -95,6 +107,10 @@ def instrument() -> None:
         (model_runner.ModelRunner, "graph_fits"), (cuda_graph.ExtendGraphs, "run"),
         (cuda_graph.ExtendGraphs, "_pad"), (cuda_graph, "load_graph_inputs"),
         (generate_session, "_ahead_stream"), (generate_session, "_wait_for"),
+        (page_table.PageTable, "upload"), (staging.HostStaging, "upload"), (forward_batch, "gather_contexts"),
+        (triton_slots, "gather_runs"), (model_runner.ModelRunner, "_graphs_for"),
+        (radix_tree.MatchHandle, "matched_indices"), (page_table.PageTable, "write_row"),
+        (generate_hook, "_radix_generate"), (engine.RadixEngine, "radix_attention"),
     ]
     for owner, name in timed_functions:
         accumulate(owner, name)
@@ -125,7 +141,7 @@ def main() -> None:
     dev = torch.device("cuda")
     torch.manual_seed(0)
     model = build_llama(False, dev, torch.bfloat16)
-    engine = hf_radix.configure(model, mem_fraction=0.5, warm_up=False)
+    radix_engine = hf_radix.configure(model, mem_fraction=0.5, warm_up=False)
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prefix = torch.randint(2, vocab, (4096,), generator=gen).tolist()
@@ -159,7 +175,7 @@ def main() -> None:
     timeline = {k: statistics.median(r[k] for r in rows if k in r) for k in rows[0]}
 
     # the extend graph alone, replayed back to back
-    graphs = engine.model_runner.extend_graphs
+    graphs = radix_engine.model_runner.extend_graphs
     captured = graphs._graphs[(1, 64)]
     for _ in range(3):
         captured[0].replay()

@@ -175,6 +175,10 @@ class CacheManager:
         pages = self._take_pages(total)
         if ps == 1 and len(rows) == total:  # one new slot per row (a decode step)
             self.table.write(rows, current, pages, widest)
+        elif len(rows) == 1:  # one row (a prompt): its positions in order
+            slots = pages if ps == 1 else (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
+            positions = np.arange(current[0], target[0], dtype=np.int64)
+            self.table.write(np.full(len(slots), rows[0], dtype=np.int64), positions, slots, widest)
         else:
             slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
             starts = np.repeat(np.cumsum(counts) - counts, counts)

@@ -192,15 +192,17 @@ def _radix_generate(original, model, kwargs: dict):
         result = None
         token = _taken_over.set(_TAKEN_OVER)
         try:
-            if engine.options.warm_up:
-                engine.model_runner.ensure_warm()  # once per engine: graphs and kernels before any step
-            restore_forward = _route_forward(model, cache)
             try:
-                with engine.radix_attention():
-                    cache.prefill_ahead(call)
-                    result = original(model, **call)
+                if engine.options.warm_up:
+                    engine.model_runner.ensure_warm()  # once per engine: graphs and kernels before any step
+                cache.prefill_ahead(call)  # first: the GPU computes while generate sets up
+                restore_forward = _route_forward(model, cache)
+                try:
+                    with engine.radix_attention():
+                        result = original(model, **call)
+                finally:
+                    restore_forward()
             finally:
-                restore_forward()
                 cache.finish(_sequences(result))
         finally:
             _taken_over.reset(token)

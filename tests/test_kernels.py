@@ -380,6 +380,9 @@ def test_pick_num_kv_splits() -> None:
     assert pick_num_kv_splits(1, 8, 32768) == 33
     assert pick_num_kv_splits(1, 8, 100) == 1
     assert 1 <= pick_num_kv_splits(4, 8, 4096) <= 16
+    # generate's time-to-first-token extend: 2 tiles x 8 KV heads fill one wave of 132 SMs with 8 splits
+    # (9 would start a second wave for 16 programs)
+    assert pick_num_kv_splits(2, 8, 8192, 132, min_split_tokens=512, waves=1) == 8
 
 
 def test_extend_row_classes() -> None:

@@ -331,10 +331,11 @@ def _split_buffers(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, to
 
 def pick_num_kv_splits(batch: int, num_kv_heads: int, max_kv_len: int, num_sms: int = 132,
                        min_split_tokens: int = 256, max_splits: int = 64, waves: int = 2) -> int:
-    """Number of KV splits so that ``batch * kv_heads * splits`` programs fill about ``waves`` waves of
-    SMs, keeping each split at least ``min_split_tokens`` long."""
+    """Number of KV splits so that ``batch * kv_heads * splits`` programs fill at most ``waves`` waves of
+    SMs (a program more would start a wave of its own), keeping each split at least ``min_split_tokens``
+    long."""
     progs = max(1, batch * num_kv_heads)
-    want = triton.cdiv(waves * num_sms, progs)
+    want = waves * num_sms // progs
     by_len = max(1, triton.cdiv(max(max_kv_len, 1), min_split_tokens))
     return int(max(1, min(want, by_len, max_splits)))
 
