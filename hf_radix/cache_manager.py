@@ -205,8 +205,11 @@ class CacheManager:
         slots = self.row_slots(row)
         aligned = num_computed - num_computed % self.page_size
         old = state.handle
-        keys = np.asarray(token_ids[:aligned])
-        present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
+        if aligned == old.cached_len:  # the tree holds all of it already (the row's locked prefix)
+            present, new = aligned, MatchHandle(self.tree, aligned, old.node)
+        else:
+            keys = np.asarray(token_ids[:aligned])
+            present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
         self.tree.unlock(old)
         self.lock_version += 1
         self._release(slots[old.cached_len : present])

@@ -41,6 +41,9 @@ logger = logging.get_logger(__name__)
 EagerForward = Callable[[ForwardBatch], torch.Tensor]
 # eager prefill lengths run at warm-up: Triton specializations, and the GEMM kernels of prefill chunks
 WARM_UP_TOKENS = (1, 7, 16, 100, 512, 2048, 8192)
+# and one batch of rows of these lengths: more rows than extend attention serves in one launch
+# (`triton_extend.FEW_ROWS`), so its one-program-per-row classes compile too
+WARM_UP_ROW_TOKENS = (1, 7, 16, 100)
 EXTEND_GRAPH_ROWS = 8  # extend graphs cover up to this many rows ...
 EXTEND_GRAPH_TOKENS = EXTEND_TOKEN_BUCKETS[-1]  # ... and this many new tokens
 GRAPH_MEMORY_MARGIN = 256 << 20  # allocator rounding, cuBLAS workspaces, graph bookkeeping (an estimate)
@@ -202,12 +205,13 @@ class ModelRunner:
         started = time.perf_counter()
         width = engine.manager.table.width
         logits = None
-        for tokens in WARM_UP_TOKENS:
-            for prefix in {0, min(tokens + 1, width - tokens)}:
-                if 0 <= prefix <= width - tokens:
+        for lens in (*([tokens] for tokens in WARM_UP_TOKENS), WARM_UP_ROW_TOKENS):
+            longest = max(lens)
+            for prefix in {0, min(longest + 1, width - longest)}:
+                if 0 <= prefix <= width - longest:
                     step = StepRows(
-                        rows=np.array([PADDING_ROW]), prefix_lens=np.array([prefix]),
-                        new_lens=np.array([tokens]), input_ids=np.zeros(tokens, dtype=np.int64),
+                        rows=np.full(len(lens), PADDING_ROW), prefix_lens=np.full(len(lens), prefix),
+                        new_lens=np.array(lens), input_ids=np.zeros(sum(lens), dtype=np.int64),
                     )
                     logits = engine.run_model(build_forward_batch(engine.manager.table, step))
         if logits is not None:

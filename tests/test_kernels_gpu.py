@@ -129,11 +129,13 @@ def _compiled_variants(fn: Any) -> int:
 
 def test_no_recompiles_for_new_lengths() -> None:
     """Once each row class and the direct / split epilogues have run, new lengths, row counts and split
-    counts reuse the compiled extend and decode kernels (nothing about a length is specialized on)."""
+    counts reuse the compiled extend and decode kernels (nothing about a length is specialized on); few
+    rows (`FEW_ROWS`) reuse the last class's kernel."""
     from hf_radix.kernels import triton_decode, triton_extend
 
     geo = dict(hq=32, hkv=8, d=128, page_size=16, dtype=torch.bfloat16, device="cuda")
-    warm = H.make_extend_case(rows=[(2048, 256), (100, 1), (50, 10)], seed=5, **geo)
+    warm = H.make_extend_case(rows=[(2048, 256), (100, 1), (50, 10), (0, 3)], seed=5, **geo)
+    assert warm["prefix_lens"].shape[0] > triton_extend.FEW_ROWS  # every row class runs
     for splits in (1, 3):
         H.run_extend(warm, 128**-0.5, max_new_len=256, num_splits=splits)
     for splits in (1, 3):
