@@ -99,7 +99,7 @@ def instrument() -> None:
         (generate_hook, "_effective_config"), (generate_hook, "_check_supported"),
         (generate_hook, "get_engine"), (generate_hook, "_route_forward"), (cls, "__init__"),
         (model_runner.ModelRunner, "ensure_warm"),
-        (cls, "_open_rows"), (generate_session, "_host_inputs"), (cls, "_check_capacity"), (cls, "_step"),
+        (cls, "_open_rows"), (generate_session, "host_inputs"), (cls, "_check_capacity"), (cls, "_step"),
         (cls, "_allocate"), (cls, "_cache_prompts"), (cls, "_prepare_next"),
         (cache_manager.CacheManager, "match"), (cache_manager.CacheManager, "lock"),
         (cache_manager.CacheManager, "open_row"), (cache_manager.CacheManager, "allocate"),

@@ -20,7 +20,7 @@ from .errors import OWN_CACHE_MESSAGE
 from .forward_batch import ForwardBatch, StepRows, build_forward_batch
 from .forward_context import current_forward, model_attention, radix_forward
 from .model_runner import ModelRunner
-from .row_tokens import RowTokens
+from .row_tokens import RowTokens, host_inputs
 
 if TYPE_CHECKING:
     from .engine import RadixEngine
@@ -265,7 +265,7 @@ class RadixGenerateCache(RadixCache):
         """Matches and locks each row's cached prefix (the first forward of the call)."""
         step = embeds if embeds is not None else input_ids
         size, width = step.shape[0], step.shape[1]
-        ids, mask = _host_inputs(None if embeds is not None else input_ids[:, width - fresh:], mask, fresh)
+        ids, mask = host_inputs(None if embeds is not None else input_ids[:, width - fresh:], mask, fresh)
         if mask is None:
             lens = [fresh] * size
         else:
@@ -470,16 +470,3 @@ def _wait_for(stream: torch.cuda.Stream | None) -> None:
     """Orders the current stream's later work after everything queued on `stream` so far."""
     if stream is not None:
         torch.cuda.current_stream().wait_stream(stream)
-
-
-def _host_inputs(
-    ids: torch.Tensor | None, mask: torch.Tensor | None, fresh: int
-) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The new positions' ids (int64) and attention mask (bool) on the host: one copy when both are on
-    one device (each copy from a GPU waits for it)."""
-    mask = None if mask is None else mask[:, -fresh:]
-    if ids is not None and mask is not None and ids.device == mask.device and ids.shape == mask.shape:
-        both = torch.stack([ids.long(), mask.long()]).cpu().numpy()
-        return both[0], both[1].astype(bool)
-    host_ids = None if ids is None else ids.long().cpu().numpy()
-    return host_ids, None if mask is None else mask.cpu().numpy().astype(bool)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 
 class RowTokens:
@@ -22,14 +23,11 @@ class RowTokens:
             self._ids[b, : len(prompt)] = prompt
         self._rows = np.arange(len(prompts))[:, None]
 
-    def __len__(self) -> int:
-        return len(self.lens)
-
     def length(self, b: int) -> int:
         return int(self.lens[b])
 
     def row(self, b: int) -> np.ndarray:
-        """Row `b`'s tokens (a view, valid until the next `append`)."""
+        """Row `b`'s tokens (a view: appends add columns past it and never change it)."""
         return self._ids[b, : self.lens[b]]
 
     def append(self, new: np.ndarray) -> None:
@@ -42,3 +40,16 @@ class RowTokens:
             self._ids = grown
         self._ids[self._rows, self.lens[:, None] + np.arange(k)] = new
         self.lens += k
+
+
+def host_inputs(
+    ids: torch.Tensor | None, mask: torch.Tensor | None, fresh: int
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The new positions' ids (int64) and attention mask (bool) on the host: one copy when both are on
+    one device (each copy from a GPU waits for it)."""
+    mask = None if mask is None else mask[:, -fresh:]
+    if ids is not None and mask is not None and ids.device == mask.device and ids.shape == mask.shape:
+        both = torch.stack([ids.long(), mask.long()]).cpu().numpy()
+        return both[0], both[1].astype(bool)
+    host_ids = None if ids is None else ids.long().cpu().numpy()
+    return host_ids, None if mask is None else mask.cpu().numpy().astype(bool)
