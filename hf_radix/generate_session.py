@@ -52,7 +52,7 @@ class RadixGenerateCache(RadixCache):
         logits_to_keep: bool = True,
     ):
         super().__init__(engine)
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.eos_token_ids = np.unique(np.asarray(eos_token_ids, dtype=np.int64))  # what ends an answer
         self.max_new_tokens = max_new_tokens
         self.max_length = max_length
         self.prefill_chunk_size = prefill_chunk_size
@@ -441,9 +441,8 @@ class RadixGenerateCache(RadixCache):
             for b, row in enumerate(self.rows):
                 tokens = self.tokens.row(b) if last is None else np.append(self.tokens.row(b), last[b])
                 keep = len(tokens)
-                if self.eos_token_ids:
-                    answer = tokens[self.prompt_lens[b]:]
-                    ends = np.flatnonzero(np.isin(answer, list(self.eos_token_ids)))
+                if len(self.eos_token_ids):
+                    ends = np.flatnonzero(np.isin(tokens[self.prompt_lens[b]:], self.eos_token_ids))
                     keep = self.prompt_lens[b] + int(ends[0]) + 1 if len(ends) else keep
                 generated += keep - self.prompt_lens[b]
                 if row is not None:
