@@ -10,6 +10,8 @@ import struct
 import numpy as np
 import torch
 
+from .model_state import CONFIG_IGNORED
+
 __all__ = ["FORMAT", "FORMAT_VERSION", "CacheFileError", "model_fingerprint", "tensor_digest"]
 
 FORMAT = "hf_radix.prefix_cache"
@@ -29,25 +31,6 @@ DTYPES = {
 }
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _DIGEST_CHUNK = 1 << 26
-# Config entries that do not change what K/V a prompt produces.
-_CONFIG_IGNORED = {
-    "_name_or_path",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "use_cache",
-    "output_attentions",
-    "output_hidden_states",
-    "return_dict",
-    "id2label",
-    "label2id",
-    "pad_token_id",
-    "eos_token_id",
-    "bos_token_id",
-    "problem_type",
-    "chunk_size_feed_forward",
-    "architectures",
-}
 
 
 class CacheFileError(ValueError):
@@ -68,13 +51,16 @@ def tensor_digest(t: torch.Tensor) -> str:
     return f"{int(acc) & (2**64 - 1):016x}"
 
 
-def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
-    """A digest of the config entries that shape K/V and a cheap digest of ~4K sampled values per weight."""
-    config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_IGNORED and k[:1] != "_"}
+def model_fingerprint(model: torch.nn.Module, skip: set[int] = frozenset()) -> dict[str, str]:
+    """A digest of the config entries that shape K/V and a cheap digest of ~4K sampled values per weight
+    (parameters whose id is in `skip` left out: adapters that the saved prefixes did not run)."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in CONFIG_IGNORED and k[:1] != "_"}
     config_digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
     names, sums = [], []
     with torch.no_grad():
         for name, param in model.named_parameters():
+            if id(param) in skip:
+                continue
             flat = param.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 4096)][:4096].contiguous()
             words = sample.view(_INT_VIEW[sample.element_size()]).to(torch.int64)

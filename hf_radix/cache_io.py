@@ -3,11 +3,11 @@
 File layout (safetensors; no pickle; see `cache_file`): `tree.parent`, `tree.length`, `tree.last_access`
 (int64, one entry per node, parents before children), `tree.tokens` (int64, every node's token ids in node
 order), then per layer `k.{i}` / `v.{i}` (`[tokens, kv_heads, head_dim]`, the pool dtype, same token
-order) so that save and load stream one layer at a time. The metadata holds the format version, page
-size, dtype and head layout, a model fingerprint (config digest + a digest of sampled weights) and a digest
-of every tensor: a file from another model, dtype, page size or head layout, or a truncated or corrupted
-one, is refused before the engine changes. With a host tier, a save holds every prefix of either tier, and
-a load fills the GPU pool and the host tier each with the most recently used prefixes that fit.
+order), streamed one layer at a time. The metadata holds the format version, page size, dtype, head layout,
+the adapter set (namespace) the prefixes were computed with, a model fingerprint (config digest + a digest
+of sampled weights) and a digest of every tensor: a file from another model, weights, adapter set, dtype or
+layout, or a damaged one, is refused before the engine changes. A save holds the active adapter set's
+prefixes of both tiers; a load fills the GPU pool and the host tier with the most recent ones that fit.
 """
 
 from __future__ import annotations
@@ -60,21 +60,19 @@ def _layout(engine: RadixEngine) -> dict[str, str]:
     }
 
 
-def _check_idle(engine: RadixEngine, action: str) -> None:
+def _prepare(engine: RadixEngine, action: str) -> None:
+    """Refused while requests run, or for a pool over several devices or a tensor-parallel shard (files
+    hold one pool's K/V); then the cache follows the model (never K/V of other weights; the active
+    adapter set's prefixes)."""
     if engine.manager.num_rows:
-        raise RuntimeError(
-            f"cannot {action} the prefix cache while {engine.manager.num_rows} requests are running"
-        )
-
-
-def _check_one_pool(engine: RadixEngine, action: str) -> None:
-    """Cache files hold one pool's K/V: refused for a pool over several devices or a tensor-parallel shard."""
+        raise RuntimeError(f"cannot {action} the prefix cache while {engine.manager.num_rows} requests run")
     require_one_device(engine.pool, f"{action} of the prefix cache (cache files)")
     if engine.tp_group is not None:
         raise NotImplementedError(
             f"hf_radix: {action} of the prefix cache (cache files) is not supported under tensor parallel "
             "(each rank's pool holds only its own KV heads)"
         )
+    engine.sync_model_state()
 
 
 def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
@@ -83,8 +81,7 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
 
     Returns {"tokens", "bytes", "seconds", "gb_per_s"} (K/V bytes written per second).
     """
-    _check_idle(engine, "save")
-    _check_one_pool(engine, "save")
+    _prepare(engine, "save")
     start = time.perf_counter()
     nodes, last_access, host_base = _tree_to_save(engine)
     index = {id(node): i for i, node in enumerate(nodes)}
@@ -112,7 +109,8 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "format": FORMAT,
         "format_version": str(FORMAT_VERSION),
         **_layout(engine),
-        **model_fingerprint(engine.model),
+        **model_fingerprint(engine.model, engine.state.inactive_adapter_tensors()),
+        "namespace": engine.state.namespace_label(),
         "model_class": type(engine.model).__name__,
         "num_tokens": str(len(slots)),
         "num_nodes": str(len(nodes)),
@@ -223,8 +221,7 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     whole paths that fit in its free host pages. Returns {"tokens" (loaded into the pool), "host_tokens"
     (into the host tier), "saved_tokens", "bytes", "seconds", "gb_per_s"}.
     """
-    _check_idle(engine, "load")
-    _check_one_pool(engine, "load")
+    _prepare(engine, "load")
     start = time.perf_counter()
     try:
         f = safe_open(os.fspath(path), framework="pt", device="cpu")
@@ -303,7 +300,13 @@ def _check_metadata(engine: RadixEngine, metadata: dict[str, str], path) -> None
             raise CacheFileError(
                 f"{path} was saved with {key}={metadata.get(key)}; this engine has {key}={ours}"
             )
-    fingerprint = model_fingerprint(engine.model)
+    namespace = engine.state.namespace_label()
+    if metadata.get("namespace", "base model") != namespace:
+        raise CacheFileError(
+            f"{path} holds prefixes computed with adapters {metadata.get('namespace')}; the model now runs "
+            f"{namespace}: activate the same adapters (set_adapter) before loading it"
+        )
+    fingerprint = model_fingerprint(engine.model, engine.state.inactive_adapter_tensors())
     if metadata.get("config_digest") != fingerprint["config_digest"]:
         raise CacheFileError(
             f"{path} was saved from another model configuration "

@@ -274,6 +274,12 @@ class CacheManager:
         self._release(np.asarray(slots, dtype=np.int64))
 
     # -- maintenance ---------------------------------------------------------------------------------
+    def set_namespace(self, namespace) -> None:
+        """Matches and inserts of both tiers from now on use `namespace`'s tree (an adapter set's)."""
+        self.tree.namespace = namespace
+        if self.host_tier is not None:
+            self.host_tier.tree.namespace = namespace
+
     def reset(self) -> None:
         """Drops the whole prefix cache (both tiers); only allowed when no request holds a row."""
         if self._rows:

@@ -14,12 +14,14 @@ from .attention import make_backend, register
 from .cache_manager import CacheManager
 from .cache_utils import RadixCache
 from .capability import check_model, install_attention_guard
+from .errors import TrainingModeError
 from .forward_batch import ForwardBatch
 from .forward_context import attention_configs, radix_attention, radix_forward
 from .fused_ops import fused_norm_and_rope
 from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
 from .model_runner import ModelRunner, graph_memory_bytes
+from .model_state import ModelState
 from .placement import (
     PlacedKVPool,
     hidden_output_device,
@@ -79,6 +81,7 @@ class RadixEngine:
         support = check_model(model)  # UnsupportedModelError before anything is allocated
         install_attention_guard(model, support)
         self.model = model
+        self.state = ModelState(model)  # what cached K/V depends on besides token ids
         self.options = options or EngineOptions()
         device = next(model.parameters()).device
         dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -251,6 +254,31 @@ class RadixEngine:
     def reset_cache(self) -> None:
         self.manager.reset()
 
+    def sync_model_state(self) -> None:
+        """Brings the cache in line with the model as it is now; every radix call starts here, locked.
+
+        A model training with active dropout is refused (`TrainingModeError`); K/V computed under other
+        weights is dropped (an invalidation in the stats); the tree's namespace follows the active adapters.
+        """
+        dropout = self.state.active_dropout()
+        if dropout is not None:
+            raise TrainingModeError(dropout)
+        check = self.state.check()
+        if check.stale is not None:
+            self.invalidate(check.stale)
+        if check.moved:  # captured graphs read the old tensors' addresses
+            self._release_model_runner()
+        self.manager.set_namespace(check.namespace)
+
+    def invalidate(self, reason: str) -> None:
+        """Drops every cached prefix (both tiers, every namespace), counted in the stats, logged at INFO."""
+        tokens = self.manager.tree.size_info.total_size
+        self.manager.reset()
+        self.stats.invalidations += 1
+        self.stats.invalidated_tokens += tokens
+        logger.info("hf_radix: dropped %d cached tokens computed under another model state: %s", tokens,
+                    reason)
+
     def set_backends(self, options: EngineOptions) -> None:
         """Switches the attention and store backends and graph options; the pool and its cached prefixes stay.
 
@@ -321,32 +349,42 @@ def _same_pool(a: EngineOptions, b: EngineOptions) -> bool:
     }
 
 
+def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a PEFT wrapper (whose adapter layers live inside it), else `model`."""
+    return model.get_base_model() if hasattr(type(model), "get_base_model") else model
+
+
 def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
     """The model's engine, created on first use.
 
     Options that only change backends update the engine in place and keep its cache; options that need
     another pool release the old pool first (only while no request is running), so a model never holds two.
+    A model moved to another dtype or device, or with a changed config, gets a new engine the same way.
     """
+    model = transformers_model(model)
     engine: RadixEngine | None = getattr(model, _ENGINE_ATTR, None)
     if engine is None:
         engine = RadixEngine(model, EngineOptions(**options))
         setattr(model, _ENGINE_ATTR, engine)
         return engine
-    if not options:  # every radix call looks its engine up: no option to compare
-        return engine
-    requested = EngineOptions(**{**asdict(engine.options), **options})
-    if requested == engine.options:
+    requested = EngineOptions(**{**asdict(engine.options), **options}) if options else engine.options
+    moved = engine.state.engine_change() if requested == engine.options else None
+    if requested == engine.options and moved is None:
         return engine
     if engine.manager.num_rows:
         raise RuntimeError("cannot change hf_radix options while requests are running on this model")
-    if _same_pool(requested, engine.options):
+    if moved is None and _same_pool(requested, engine.options):
         engine.set_backends(requested)
         return engine
-    logger.info("releasing the hf_radix KV pool of this model for one with %s", requested)
+    logger.info("releasing the hf_radix KV pool of this model for a new one: %s", moved or requested)
+    stats = engine.stats
     engine.close()
     delattr(model, _ENGINE_ATTR)
     engine = RadixEngine(model, requested)
     setattr(model, _ENGINE_ATTR, engine)
+    if moved is not None:  # the same model in another state: its statistics go on
+        engine.stats = stats
+        stats.invalidations += 1
     return engine
 
 

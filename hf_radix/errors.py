@@ -5,7 +5,8 @@ Error policy, the same for every entry point:
 * A call whose arguments are wrong as a whole (no tokenizer for strings, mismatched lengths, options
   the radix path cannot honour) raises ``ValueError`` (or ``TypeError``) before anything runs.
 * A model hf_radix cannot run exactly raises :class:`UnsupportedModelError` when its engine is created,
-  before any forward.
+  before any forward. A model in training mode with active dropout raises :class:`TrainingModeError`
+  in the runner (radix ``generate`` runs plain ``generate`` then).
 * One bad request (an empty prompt, out-of-vocabulary ids, too long for the model or the pool) fails
   alone: the other requests complete and the cache stays consistent. ``RadixBatchRunner.run`` reports it
   in its :class:`~hf_radix.RequestOutput` (``finish_reason="error"``, ``error=<message>``);
@@ -26,6 +27,7 @@ __all__ = [
     "ERROR_MODES",
     "OWN_CACHE_MESSAGE",
     "RequestError",
+    "TrainingModeError",
     "UnsupportedModelError",
     "check_error_mode",
     "raise_or_return",
@@ -48,6 +50,18 @@ class UnsupportedModelError(ValueError):
         super().__init__(f"hf_radix cannot run {model_class} exactly: {reason}")
         self.model_class = model_class
         self.reason = reason
+
+
+class TrainingModeError(ValueError):
+    """The model is in training mode with active dropout: K/V it computes is random, not reusable."""
+
+    def __init__(self, module: str):
+        super().__init__(
+            f"hf_radix: the model is in training mode with active dropout ({module}), so the K/V it computes "
+            "is random and no prefix can be reused; call model.eval() before radix calls "
+            "(generate(cache_implementation='radix') runs plain generate in this case)"
+        )
+        self.module = module
 
 
 class RequestError(ValueError):

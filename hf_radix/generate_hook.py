@@ -19,6 +19,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 
 import torch
+from transformers.utils import logging
 
 from .cache_utils import CACHE_IMPLEMENTATION
 from .capability import check_inputs
@@ -26,6 +27,8 @@ from .engine import _ENGINE_ATTR, get_engine
 from .errors import OWN_CACHE_MESSAGE
 from .generate_session import RadixGenerateCache
 from .request import token_id_list
+
+logger = logging.get_logger(__name__)
 
 _SUPPORTED_MODES = ("greedy_search", "sample")
 _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
@@ -193,6 +196,7 @@ def _radix_generate(original, model, kwargs: dict):
         token = _taken_over.set(_TAKEN_OVER)
         try:
             try:
+                engine.sync_model_state()  # K/V of other weights dropped; the adapter set's namespace
                 if engine.options.warm_up:
                     engine.model_runner.ensure_warm()  # once per engine: graphs and kernels before any step
                 cache.prefill_ahead(call)  # first: the GPU computes while generate sets up
@@ -225,6 +229,13 @@ def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
             kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
         return original(model, *args, **kwargs)
+    dropout = get_engine(model).state.active_dropout()
+    if dropout is not None:  # random K/V: nothing to reuse, and plain generate is what the user expects
+        logger.warning_once(
+            f"hf_radix: the model is in training mode with active dropout ({dropout}); "
+            "generate(cache_implementation='radix') runs plain generate without the prefix cache"
+        )
+        return original(model, *args, **{**kwargs, "cache_implementation": "dynamic"})
     return _radix_generate(original, model, _as_keywords(original, args, kwargs))
 
 

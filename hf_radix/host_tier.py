@@ -119,7 +119,15 @@ class HostTier:
             keys.append(node.key)
             values.append(node.value)
             node = node.parent
-        ids = np.concatenate(keys[::-1])
+        current = self.tree.namespace  # the evicted leaf may belong to another adapter set's tree
+        self.tree.namespace = self.manager.tree.namespace_of(node)
+        try:
+            self._store(np.concatenate(keys[::-1]), values)
+        finally:
+            self.tree.namespace = current
+
+    def _store(self, ids: np.ndarray, values: list[np.ndarray]) -> None:
+        """Copies the part of the path `ids` (slots: `values`, deepest first) that the host tree lacks."""
         handle = self.tree.match_prefix(ids)  # also marks the path recently used
         have = handle.cached_len
         if have == len(ids):

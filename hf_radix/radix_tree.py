@@ -2,92 +2,23 @@
 
 The tree only stores indices; K/V live in a pool owned elsewhere. Nodes hold a contiguous token segment
 (`key`) and the slots holding its KV (`value`). Locks (`ref_count`) protect the path of an in-flight request;
-unreferenced leaves are evicted in least-recently-used order, where "time" is an operation counter.
+unreferenced leaves are evicted in least-recently-used order, where "time" is an operation counter. Each
+namespace (the adapter set that computed the K/V) has a root of its own; matches and inserts use the current
+one, eviction takes the least recently used leaf of any.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import numpy as np
 
+from .radix_node import IntegrityError, MatchHandle, RadixNode, SizeInfo, as_int_array
+
 __all__ = ["IntegrityError", "MatchHandle", "RadixNode", "RadixPrefixCache", "SizeInfo"]
-
-
-class IntegrityError(RuntimeError):
-    """Raised by `RadixPrefixCache.check_integrity` when the tree's bookkeeping is inconsistent."""
-
-
-@dataclass(frozen=True)
-class SizeInfo:
-    """Token counts held by the tree, split by whether any lock protects them."""
-
-    evictable_size: int
-    protected_size: int
-
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size
-
-
-class RadixNode:
-    """One path-compressed segment: `key` token ids and the slot indices (`value`) holding their KV."""
-
-    __slots__ = ("key", "value", "parent", "children", "ref_count", "last_access", "_queued_tick")
-
-    def __init__(self, key: np.ndarray, value: np.ndarray, parent: RadixNode | None, ref_count: int,
-                 last_access: int) -> None:
-        self.key = key
-        self.value = value
-        self.parent = parent
-        self.children: dict[Any, RadixNode] = {}
-        self.ref_count = ref_count
-        self.last_access = last_access
-        self._queued_tick = -1  # last_access value for which an eviction-heap entry was pushed
-
-    def __repr__(self) -> str:
-        return f"RadixNode(len={len(self.key)}, ref_count={self.ref_count}, last_access={self.last_access})"
-
-
-class MatchHandle:
-    """Result of a match/insert: the matched length and the deepest node of the matched path."""
-
-    __slots__ = ("cached_len", "node", "locked", "restored_len", "_cache")
-
-    def __init__(self, cache: RadixPrefixCache, cached_len: int, node: RadixNode) -> None:
-        self._cache = cache
-        self.cached_len = cached_len
-        self.node = node
-        self.locked = False
-        self.restored_len = 0  # tokens of cached_len a host tier copied back for this match
-
-    def matched_indices(self) -> np.ndarray:
-        """Int64 slot indices of the matched prefix, in sequence order; ValueError if the node was evicted."""
-        parts = self._cache._path_values(self.node)
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate(parts[::-1])
-
-    def __repr__(self) -> str:
-        return f"MatchHandle(cached_len={self.cached_len}, locked={self.locked})"
-
-
-def _as_int_array(x: Any, what: str) -> np.ndarray:
-    """Converts a 1-D int sequence (list, ndarray, CPU torch tensor) to a contiguous int64 array."""
-    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous:
-        return x  # what the scheduler passes: no conversion, no checks to make
-    if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch tensor, without importing torch
-        x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 class RadixPrefixCache:
@@ -101,18 +32,38 @@ class RadixPrefixCache:
         self._seq = itertools.count()
         # Called with each leaf `evict` removes, while it is still attached (a host tier keeps a copy).
         self.on_evict: Callable[[RadixNode], None] | None = None
+        self._namespace: Hashable = None
         self.reset()
 
     # ---------------------------------------------------------------- public API
 
     def reset(self) -> None:
-        """Drops every node; handles taken before become stale (lock/unlock/matched_indices raise)."""
-        empty = np.empty(0, dtype=np.int64)
-        self._root = RadixNode(empty, empty, None, 0, 0)
+        """Drops every node of every namespace; handles taken before become stale (their use raises)."""
+        self._roots: dict[Hashable, RadixNode] = {}
+        self.namespace = self._namespace
         self._evictable = 0
         self._protected = 0
         self._num_nodes = 0
         self._heap: list[tuple[int, int, RadixNode]] = []
+
+    @property
+    def namespace(self) -> Hashable:
+        """The namespace that matches and inserts use; each one a tree of its own over one set of slots."""
+        return self._namespace
+
+    @namespace.setter
+    def namespace(self, value: Hashable) -> None:
+        root = self._roots.get(value)
+        if root is None:
+            empty = np.empty(0, dtype=np.int64)
+            root = self._roots[value] = RadixNode(empty, empty, None, 0, 0)
+        self._namespace, self._root = value, root
+
+    def namespace_of(self, node: RadixNode) -> Hashable:
+        """The namespace whose tree holds `node`."""
+        while node.parent is not None:
+            node = node.parent
+        return next(name for name, root in self._roots.items() if root is node)
 
     @property
     def size_info(self) -> SizeInfo:
@@ -120,7 +71,7 @@ class RadixPrefixCache:
 
     def match_prefix(self, token_ids: Any) -> MatchHandle:
         """Finds the longest page-aligned cached prefix of `token_ids`; returns an unlocked handle."""
-        ids = _as_int_array(token_ids, "token_ids")
+        ids = as_int_array(token_ids, "token_ids")
         node, length = self._walk(ids, self._next_tick())
         self._maybe_queue(node)
         return MatchHandle(self, length, node)
@@ -130,8 +81,8 @@ class RadixPrefixCache:
 
         The tree keeps its own slots for the already-cached part; the caller frees its duplicates.
         """
-        ids = _as_int_array(token_ids, "token_ids")
-        slots = _as_int_array(slot_indices, "slot_indices")
+        ids = as_int_array(token_ids, "token_ids")
+        slots = as_int_array(slot_indices, "slot_indices")
         self._check_insert_args(ids, slots)
         tick = self._next_tick()
         node, length = self._walk(ids, tick)
@@ -150,7 +101,7 @@ class RadixPrefixCache:
         if handle.locked:
             raise ValueError("handle is already locked")
         node = handle.node
-        while node is not self._root:
+        while node.parent is not None:
             if node.ref_count == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -164,12 +115,12 @@ class RadixPrefixCache:
         if not handle.locked:
             raise ValueError("handle is not locked")
         node = handle.node
-        while node is not self._root:
+        while node.parent is not None:
             if node.ref_count <= 0:
                 raise IntegrityError(f"unlock would drive ref_count negative at {node!r}")
             node = node.parent
         node = handle.node
-        while node is not self._root:
+        while node.parent is not None:
             node.ref_count -= 1
             if node.ref_count == 0:
                 self._protected -= len(node.key)
@@ -211,7 +162,7 @@ class RadixPrefixCache:
         return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
 
     def nodes(self) -> list[RadixNode]:
-        """Every node but the root, each after its parent."""
+        """Every node of the current namespace but its root, each after its parent."""
         out, stack = [], list(self._root.children.values())
         while stack:
             node = stack.pop()
@@ -220,8 +171,8 @@ class RadixPrefixCache:
         return out
 
     def slot_indices(self) -> np.ndarray:
-        """Every slot index the tree holds (any order)."""
-        values, stack = [], [self._root]
+        """Every slot index the tree holds, in every namespace (any order)."""
+        values, stack = [], list(self._roots.values())
         while stack:
             node = stack.pop()
             values.append(node.value)
@@ -235,12 +186,12 @@ class RadixPrefixCache:
         must equal the number of those whose path covers it: a lock taken and never released fails.
         """
         expected = None if locks is None else self._lock_counts(locks)
-        root = self._root
-        if root.parent is not None or len(root.key) or len(root.value) or root.ref_count:
-            raise IntegrityError("root must be empty, parentless and unreferenced")
+        for root in self._roots.values():
+            if root.parent is not None or len(root.key) or len(root.value) or root.ref_count:
+                raise IntegrityError("a root must be empty, parentless and unreferenced")
         total = protected = evictable_leaves = 0
         nodes: list[RadixNode] = []
-        stack = [root]
+        stack = list(self._roots.values())
         while stack:
             node = stack.pop()
             child_refs = 0
@@ -250,11 +201,11 @@ class RadixPrefixCache:
                 self._check_segment(child)
                 if self._child_key(child.key) != ckey:
                     raise IntegrityError(f"{child!r} is filed under the wrong child key")
-                if node is not root and child.last_access > node.last_access:
+                if node.parent is not None and child.last_access > node.last_access:
                     raise IntegrityError(f"{child!r} was accessed after its parent {node!r}")
                 child_refs += child.ref_count
                 stack.append(child)
-            if node is root:
+            if node.parent is None:
                 continue
             if node.ref_count < child_refs:
                 raise IntegrityError(f"{node!r} has ref_count below the sum of its children's ({child_refs})")
@@ -293,7 +244,7 @@ class RadixPrefixCache:
             if handle._cache is not self or not handle.locked:
                 raise IntegrityError(f"{handle!r} is not a lock held on this tree")
             node = handle.node
-            while node is not self._root:
+            while len(node.key):  # up to its namespace's root, the only node with an empty key
                 if node.parent is None:
                     raise IntegrityError(f"{handle!r} points at a node no longer in the tree")
                 counts[id(node)] = counts.get(id(node), 0) + 1
@@ -343,7 +294,7 @@ class RadixPrefixCache:
 
     def _maybe_queue(self, node: RadixNode) -> None:
         """Pushes `node` on the eviction heap if it is an evictable leaf not yet queued at its access time."""
-        if (node.ref_count or node.children or node is self._root
+        if (node.ref_count or node.children or node.parent is None
                 or node._queued_tick == node.last_access):
             return
         node._queued_tick = node.last_access
@@ -353,20 +304,20 @@ class RadixPrefixCache:
             self._heap[:] = [e for e in self._heap if e[2].parent is not None and e[0] == e[2].last_access]
             heapq.heapify(self._heap)
 
-    def _path_values(self, node: RadixNode) -> list[np.ndarray]:
+    def path_values(self, node: RadixNode) -> list[np.ndarray]:
         """Values from `node` up to the root, deepest first; ValueError if `node` is no longer in the tree."""
         parts = []
         while node.parent is not None:
             parts.append(node.value)
             node = node.parent
-        if node is not self._root:
+        if all(node is not root for root in self._roots.values()):
             raise ValueError("stale handle: its node was evicted or the cache was reset")
         return parts
 
     def _check_handle(self, handle: MatchHandle) -> None:
         if not isinstance(handle, MatchHandle) or handle._cache is not self:
             raise ValueError("handle does not belong to this cache")
-        self._path_values(handle.node)
+        self.path_values(handle.node)
 
     def _check_insert_args(self, ids: np.ndarray, slots: np.ndarray) -> None:
         ps = self.page_size

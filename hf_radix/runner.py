@@ -121,11 +121,12 @@ class RadixBatchRunner:
         return out
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
-        if self.engine.closed:  # another runner or configure() gave the model a new pool: use it
-            self._bind(get_engine(self.model))
-        elif self.engine.model_runner is not self.model_runner and self._cuda_graph:
-            self._bind(self.engine)  # new backend or graph options: the engine rebuilt its runner core
-        with self.engine.lock:  # radix calls of other threads on this engine finish first
+        engine = get_engine(self.model)  # a new one after configure(), or for a new dtype, device or config
+        with engine.lock:  # radix calls of other threads on this engine finish first
+            engine.sync_model_state()  # K/V of other weights dropped; the adapter set's namespace
+            rebuilt = self._cuda_graph and engine.model_runner is not self.model_runner
+            if engine is not self.engine or rebuilt:
+                self._bind(engine)  # new pool, backends, or tensors: the engine rebuilt its runner core
             self._execute_locked(reqs, progress)
 
     def _execute_locked(self, reqs: list[Req], progress: bool | None) -> None:
@@ -248,14 +249,15 @@ class RadixBatchRunner:
         self.engine.reset_cache()
 
     def save_cache(self, path) -> dict:
-        """Writes the prefix cache (tree + K/V of its pages) to a safetensors file; refused while running.
+        """Writes the prefix cache of the active adapter set (tree + K/V of its pages) to a safetensors
+        file; refused while running.
 
         Returns {"tokens", "bytes", "seconds", "gb_per_s"}.
         """
-        return save_cache(self.engine, path)
+        return save_cache(get_engine(self.model), path)
 
     def load_cache(self, path) -> dict:
         """Adds the prefixes of a file written by `save_cache` (same model, dtype and page size), most
         recently used first while free pages last; a mismatched or damaged file raises CacheFileError
         and changes nothing."""
-        return load_cache(self.engine, path)
+        return load_cache(get_engine(self.model), path)

@@ -16,6 +16,8 @@ class RadixStats:
     computed_tokens: int = 0
     generated_tokens: int = 0
     forward_calls: int = 0
+    invalidations: int = 0  # times the cache was dropped because the model's weights or config changed
+    invalidated_tokens: int = 0  # cached tokens those drops released
     wall_time: float = 0.0
 
     @property
@@ -44,6 +46,7 @@ class RadixStats:
             f"cached_tokens={self.cached_tokens}, host_cached_tokens={self.host_cached_tokens}, "
             f"hit_rate={self.hit_rate:.3f}, "
             f"computed_tokens={self.computed_tokens}, generated_tokens={self.generated_tokens}, "
-            f"forward_calls={self.forward_calls}, wall_time={self.wall_time:.2f}s, "
+            f"forward_calls={self.forward_calls}, invalidations={self.invalidations}, "
+            f"wall_time={self.wall_time:.2f}s, "
             f"tokens_per_s={self.tokens_per_s:.1f})"
         )
