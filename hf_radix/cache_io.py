@@ -64,8 +64,8 @@ def _prepare(engine: RadixEngine, action: str) -> None:
     """Refused while requests run, or for a pool over several devices or a tensor-parallel shard (files
     hold one pool's K/V); then the cache follows the model (never K/V of other weights; the active
     adapter set's prefixes)."""
-    if engine.manager.num_rows:
-        raise RuntimeError(f"cannot {action} the prefix cache while {engine.manager.num_rows} requests run")
+    if rows := engine.manager.num_rows:
+        raise RuntimeError(f"cannot {action} the prefix cache while {rows} requests are running")
     require_one_device(engine.pool, f"{action} of the prefix cache (cache files)")
     if engine.tp_group is not None:
         raise NotImplementedError(
