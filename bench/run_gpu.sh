@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one device call runs: GPU tests, then the benchmarks, each writing JSON under $OUT. Every benchmark
 # starts with an empty Triton cache (its first run is a fresh process's: nothing compiled by an earlier one).
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [warmtests]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [rl] [warmtests]
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 OUT=${OUT:-/tmp/out}
@@ -17,6 +17,7 @@ for step in "$@"; do
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
     warm) timeout 150 python3 bench/warm_start_bench.py --workloads score_bench --out "$OUT/warm_start.json" 2>&1 | tee "$OUT/warm_start.log" ;;
     chat) timeout 200 python3 bench/chat_bench.py --configs unbounded,host_tier --out "$OUT/chat_bench.json" 2>&1 | tee "$OUT/chat_bench.log" ;;
+    rl) timeout 330 python3 bench/rl_rollouts.py --json "$OUT/rl_rollouts.json" 2>&1 | tee "$OUT/rl_rollouts.log" ;;
     chatnotier) timeout 100 python3 bench/chat_bench.py --configs unbounded,no_tier --out "$OUT/chat_bench_no_tier.json" 2>&1 | tee "$OUT/chat_bench_no_tier.log" ;;
     sampling) timeout 60 python3 bench/sampling_bench.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" ;;
     sharedprefix) timeout 100 python3 bench/shared_prefix_bench.py --out "$OUT/shared_prefix_bench.json" 2>&1 | tee "$OUT/shared_prefix_bench.log" ;;
