@@ -175,6 +175,11 @@ class ModelState:
             return None
         return next((name for name, m in self._dropouts if m.training), None)
 
+    @property
+    def num_tensors(self) -> int:
+        """Parameters and buffers watched."""
+        return len(self._slots)
+
     def namespace_label(self) -> str:
         """The current namespace in words, for cache files: the active adapters and their scaling."""
         namespace = self._read_namespace()
