@@ -11,7 +11,7 @@ from .cache_io import CacheFileError
 from .cache_utils import RadixCache
 from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
-from .errors import RequestError, UnsupportedModelError
+from .errors import RequestError, TrainingModeError, UnsupportedModelError
 from .generate_hook import register_generate_support
 from .radix_tree import IntegrityError
 from .request import RequestOutput
@@ -30,11 +30,13 @@ __all__ = [
     "RequestOutput",
     "RadixStats",
     "SamplingParams",
+    "TrainingModeError",
     "UnsupportedModelError",
     "cache_stats",
     "configure",
     "get_engine",
     "load_cache",
+    "reset_cache",
     "save_cache",
 ]
 __version__ = "0.1.0"
@@ -43,6 +45,11 @@ __version__ = "0.1.0"
 def cache_stats(model) -> dict:
     """Prefix-reuse statistics of the model's engine: prompt/cached/computed tokens, hit rate, evictions."""
     return get_engine(model).stats_dict()
+
+
+def reset_cache(model) -> None:
+    """Drops every cached prefix of the model: after a change hf_radix cannot see (writes through `.data`)."""
+    get_engine(model).reset_cache()
 
 
 def save_cache(model, path) -> dict:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from transformers.utils import logging
 
 from .distributed import all_gather_json
+from .engine import get_engine
 from .errors import RequestError, check_error_mode, raise_or_return
 from .request import RequestOutput
 from .routing import CacheAwareRouter
@@ -92,6 +93,7 @@ class DataParallelRunner:
         self.stats = RadixStats()
         self.replica_stats: list[dict] = []
         self.last_routes: list[int] = []  # the replica of each input of the last call
+        self._model_state: tuple = ()  # this replica's (invalidations, adapter set) at the last routing
 
     @property
     def engine(self):
@@ -182,8 +184,16 @@ class DataParallelRunner:
     # -- routing and gathering -----------------------------------------------------------------------
     def _route(self, token_lists: list[list[int]], new_tokens: list[int]) -> list[int]:
         """Indices of the prompts this rank runs; checks first that every rank was given the same inputs."""
-        prints = all_gather_json(_fingerprint(token_lists, new_tokens), self.group, self.engine.device)
-        if len(set(prints)) != 1:
+        engine = get_engine(self.local.model)
+        with engine.lock:  # the router's record follows the replicas' caches: dropped or switched together
+            engine.sync_model_state()
+        state = (engine.stats.invalidations, engine.state.namespace_label())
+        gathered = all_gather_json([_fingerprint(token_lists, new_tokens), state != self._model_state],
+                                   self.group, engine.device)
+        self._model_state = state
+        if any(changed for _, changed in gathered):
+            self.router.reset()
+        if len({print_ for print_, _ in gathered}) != 1:
             raise ValueError(
                 "DataParallelRunner: the ranks were given different inputs; call it with the same prompts "
                 "and parameters on every rank"

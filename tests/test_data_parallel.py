@@ -39,6 +39,11 @@ def _summary(outs) -> list:
     return [[o.prompt_token_ids, o.token_ids, o.finish_reason, o.error is not None] for o in outs]
 
 
+def _edit(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+
+
 def _replica(rank: int, device: torch.device) -> dict:
     from hf_radix.data_parallel import DataParallelRunner
 
@@ -63,7 +68,12 @@ def _replica(rank: int, device: torch.device) -> dict:
         kept = [exc.results[0], exc.results[2]]
     returned = runner.loglikelihood([pairs[0], ([5, 6], [])], errors="return")
     runner.check_integrity()
+    _edit(runner.local.model)  # every replica's weights change: their caches and the router's record drop
+    after_edit = _summary(runner.run(prompts, _params()))
+    runner.check_integrity()
     return {
+        "after_edit": after_edit,
+        "invalidations": runner.engine.stats.invalidations,
         "outs": _summary(outs),
         "scores": scores,
         "rolling": rolling,
@@ -92,6 +102,12 @@ def check_two_replicas(tmp_path, backend: str) -> None:
     single.check_integrity()
     assert outs[BAD].error is not None and all(o.error is None for i, o in enumerate(outs) if i != BAD)
 
+    engine_counts = (single.engine.stats.prompt_tokens, single.engine.stats.cached_tokens)
+    runner_counts = [single.stats.prompt_tokens, single.stats.cached_tokens]
+    _edit(single.model)
+    after_edit = single.run(prompts, _params())
+    assert single.engine.stats.invalidations == 1
+
     ranks = run_ranks(tmp_path, backend, _replica)
 
     for result in ranks:
@@ -104,6 +120,7 @@ def check_two_replicas(tmp_path, backend: str) -> None:
         assert [lp for lp, _ in result["kept"]] == pytest.approx([lp for lp, _ in scores[:2]], abs=1e-5)
         assert result["returned"][1] is None
         assert result["returned"][0][0] == pytest.approx(scores[0][0], abs=1e-5)
+        assert result["after_edit"] == _summary(after_edit) and result["invalidations"] == 1
     assert ranks[0]["replicas"] == ranks[1]["replicas"] and ranks[0]["stats"] == ranks[1]["stats"]
 
     routes = ranks[0]["routes"]
@@ -117,9 +134,9 @@ def check_two_replicas(tmp_path, backend: str) -> None:
     # no shared prefix was computed twice.
     dp_prompt = sum(e["prompt_tokens"] for e in generation)
     dp_cached = sum(e["cached_tokens"] for e in generation)
-    assert (dp_prompt, dp_cached) == (single.engine.stats.prompt_tokens, single.engine.stats.cached_tokens)
+    assert (dp_prompt, dp_cached) == engine_counts
     assert run_stats[1] > 0
-    assert ranks[0]["stats"][:2] == [single.stats.prompt_tokens, single.stats.cached_tokens]
+    assert ranks[0]["stats"][:2] == runner_counts
 
 
 def test_router_keeps_prefix_groups_and_balances():
