@@ -220,13 +220,22 @@ def _kv_shape(attention: torch.nn.Module, config) -> KVShape:
 
 
 def check_inputs(model: torch.nn.Module, kwargs: dict) -> None:
-    """Refuses multimodal inputs given to a radix call (UnsupportedModelError)."""
+    """Refuses multimodal inputs given to a radix call (UnsupportedModelError) and an empty prompt
+    (ValueError; plain transformers fails inside the first forward, on a reshape of 0 elements)."""
     given = [k for k in MULTIMODAL_INPUTS if kwargs.get(k) is not None]
     if given:
         raise UnsupportedModelError(
             type(model).__name__,
             f"multimodal inputs ({', '.join(given)}) cannot be keyed by a token prefix cache",
         )
+    for name in ("inputs_embeds", "input_ids", "inputs"):
+        prompt = kwargs.get(name)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and prompt.shape[1] == 0:
+            raise ValueError(
+                f"generate got an empty prompt ({name} of shape {tuple(prompt.shape)}): every row needs at "
+                "least one token; start it with the BOS token (tokenizer.bos_token_id), or pass no input_ids "
+                "to generate from the model's bos_token_id"
+            )
 
 
 # ---------------------------------------------------------------------------------------- run-time guard
