@@ -3,10 +3,10 @@
 A model runs only if every attention layer goes through transformers' attention interface
 (``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
 the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
-first forward: attention computed by the model itself (Bloom, Falcon: ALiBi), recurrent and hybrid
-models (a running state cannot be shared through a prefix cache), multimodal models (two different
-images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every radix
-forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
+first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
+and hybrid models (a running state cannot be shared through a prefix cache), multimodal models (two
+different images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every
+radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 MULTIMODAL_INPUTS = (
     "pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features",
     "input_values", "audio_values", "input_audio_embeds", "image_grid_thw", "video_grid_thw",
+)
+#: Sub-configs that describe parts of one text decoder (MPT's and DBRX's attention and FFN options).
+TEXT_SUB_CONFIGS = ("text_config", "decoder", "attn_config", "ffn_config")
+#: Words naming another modality in a sub-config key (vision_config, audio_encoder, vq_config, ...).
+MODALITY_WORDS = (
+    "vision", "visual", "image", "video", "audio", "speech", "acoustic", "vq", "vocoder", "codec",
 )
 MULTIMODAL_CONFIG_KEYS = (
     "vision_config", "audio_config", "video_config", "speech_config", "vision_tower", "audio_encoder",
@@ -143,7 +149,8 @@ def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
     ids = {id(m) for m in attention}
     for module in model.modules():
         cls = type(module)
-        if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and id(module) not in ids:
+        wraps_attention = any(id(m) in ids for m in module.modules())  # DbrxNormAttentionNorm
+        if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and not wraps_attention:
             raise refuse(
                 f"{cls.__name__} computes attention itself, not through transformers' attention interface"
             )
@@ -159,7 +166,7 @@ def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
             raise refuse(f"{type(module).__name__} is not causal")
     layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
     if not attention:
-        raise refuse("it has no attention layer (a recurrent model)")
+        raise refuse(_no_interface_reason(model))
     if layers is not None and len(attention) != layers:
         raise refuse(f"{len(attention)} of its {layers} layers are attention layers (a hybrid model)")
     if sorted(getattr(m, "layer_idx", -1) for m in attention) != list(range(len(attention))):
@@ -167,15 +174,35 @@ def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
     return attention
 
 
+def _no_interface_reason(model: torch.nn.Module) -> str:
+    """Why a model none of whose modules calls the attention interface is refused: its attention modules
+    (the innermost ones, e.g. GPTNeoSelfAttention inside GPTNeoAttention) compute attention themselves."""
+    def is_attention(module: torch.nn.Module) -> bool:
+        return "Attention" in type(module).__name__ and not _is_torch_class(type(module))
+
+    inner = [
+        type(m).__name__ for m in model.modules()
+        if is_attention(m) and not any(is_attention(c) for c in m.modules() if c is not m)
+    ]
+    if not inner:
+        return "none of its layers calls transformers' attention interface"
+    names = list(dict.fromkeys(inner))
+    verb = "computes" if len(names) == 1 else "compute"
+    return f"{', '.join(names)} {verb} attention itself, not through transformers' attention interface"
+
+
 def _check_multimodal(model: torch.nn.Module, refuse) -> None:
     config = model.config
     keys = [k for k in MULTIMODAL_CONFIG_KEYS if getattr(config, k, None) is not None]
-    sub = [k for k in getattr(config, "sub_configs", {}) if k not in ("text_config", "decoder")]
-    if keys or sub:
+    sub = [k for k in getattr(config, "sub_configs", {}) if k not in TEXT_SUB_CONFIGS]
+    modal = [k for k in sub if any(word in k for word in MODALITY_WORDS)]
+    if keys or modal:
         raise refuse(
-            f"it is multimodal ({', '.join(keys or sub)}); two different images behind the same placeholder "
-            "tokens would share K/V in a prefix cache"
+            f"it is multimodal ({', '.join(keys or modal)}); two different images behind the same "
+            "placeholder tokens would share K/V in a prefix cache"
         )
+    if sub:
+        raise refuse(f"it is made of several models ({', '.join(sub)}); hf_radix runs one decoder stack")
     params = inspect.signature(model.forward).parameters
     inputs = [p for p in MULTIMODAL_INPUTS if p in params]
     if inputs:
@@ -193,13 +220,22 @@ def _kv_shape(attention: torch.nn.Module, config) -> KVShape:
 
 
 def check_inputs(model: torch.nn.Module, kwargs: dict) -> None:
-    """Refuses multimodal inputs given to a radix call (UnsupportedModelError)."""
+    """Refuses multimodal inputs given to a radix call (UnsupportedModelError) and an empty prompt
+    (ValueError; plain transformers fails inside the first forward, on a reshape of 0 elements)."""
     given = [k for k in MULTIMODAL_INPUTS if kwargs.get(k) is not None]
     if given:
         raise UnsupportedModelError(
             type(model).__name__,
             f"multimodal inputs ({', '.join(given)}) cannot be keyed by a token prefix cache",
         )
+    for name in ("inputs_embeds", "input_ids", "inputs"):
+        prompt = kwargs.get(name)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and prompt.shape[1] == 0:
+            raise ValueError(
+                f"generate got an empty prompt ({name} of shape {tuple(prompt.shape)}): every row needs at "
+                "least one token; start it with the BOS token (tokenizer.bos_token_id), or pass no input_ids "
+                "to generate from the model's bos_token_id"
+            )
 
 
 # ---------------------------------------------------------------------------------------- run-time guard

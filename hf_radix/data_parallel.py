@@ -28,7 +28,7 @@ from transformers.utils import logging
 from .distributed import all_gather_json
 from .engine import get_engine
 from .errors import RequestError, check_error_mode, raise_or_return
-from .request import RequestOutput
+from .request import RequestOutput, pair_items
 from .routing import CacheAwareRouter
 from .runner import RadixBatchRunner
 from .sampling import SamplingParams
@@ -140,8 +140,8 @@ class DataParallelRunner:
         fails alone; `errors="raise"` raises one `RequestError` (every rank), `"return"` gives None there.
         """
         check_error_mode(errors)
-        pairs = list(pairs)
-        contexts = self.local._tokenize([c for c, _ in pairs])
+        pairs = pair_items(pairs)
+        contexts = self.local._tokenize([c for c, _ in pairs], "contexts")
         continuations = self.local._tokenize_continuations(pairs)
         if not pairs:
             return []

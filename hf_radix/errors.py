@@ -3,15 +3,17 @@
 Error policy, the same for every entry point:
 
 * A call whose arguments are wrong as a whole (no tokenizer for strings, mismatched lengths, options
-  the radix path cannot honour) raises ``ValueError`` (or ``TypeError``) before anything runs.
+  the radix path cannot honour, one prompt or pair not wrapped in a list) raises ``ValueError`` (or
+  ``TypeError``) before anything runs.
 * A model hf_radix cannot run exactly raises :class:`UnsupportedModelError` when its engine is created,
   before any forward. A model in training mode with active dropout raises :class:`TrainingModeError`
   in the runner (radix ``generate`` runs plain ``generate`` then).
-* One bad request (an empty prompt, out-of-vocabulary ids, too long for the model or the pool) fails
-  alone: the other requests complete and the cache stays consistent. ``RadixBatchRunner.run`` reports it
-  in its :class:`~hf_radix.RequestOutput` (``finish_reason="error"``, ``error=<message>``);
-  ``loglikelihood`` raises :class:`RequestError` (carrying every message and the other results) or, with
-  ``errors="return"``, returns ``None`` in the failed places. ``run(..., errors="raise")`` raises the same
+* One bad request (an empty prompt, ids that are not integers, out-of-vocabulary ids, too long for the
+  model or the pool) fails alone: the other requests complete and the cache stays consistent.
+  ``RadixBatchRunner.run`` reports it in its :class:`~hf_radix.RequestOutput` (``finish_reason="error"``,
+  ``error=<message>``); ``loglikelihood`` raises :class:`RequestError` (carrying every message and the
+  other results) or, with ``errors="return"``, returns ``None`` in the failed places;
+  ``loglikelihood_rolling`` raises it by text. ``run(..., errors="raise")`` raises the same
   :class:`RequestError` (carrying the outputs).
 * ``generate(..., cache_implementation="radix")`` is one batch: bad input raises ``ValueError`` before the
   first forward, and an exception mid-call (a stopping criterion, a logits processor) propagates after

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from .request import token_id_array
+from .errors import RequestError
+from .request import prompt_items, token_id_array
 
 if TYPE_CHECKING:
     from .runner import RadixBatchRunner
@@ -56,16 +57,24 @@ def default_prefix_token_id(runner: RadixBatchRunner) -> int:
     raise ValueError("the tokenizer and the model config have no BOS or EOS token; pass prefix_token_id")
 
 
-def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> list[list[int]]:
-    """Strings are tokenized without special tokens (the prefix token plays BOS); token ids pass through."""
-    texts = list(texts)
+def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> tuple[list[list[int]], dict[int, str]]:
+    """Strings are tokenized without special tokens (the prefix token plays BOS); token ids pass through.
+    A text that is not valid token ids gets no tokens and its message in the returned {index: message}."""
+    texts = prompt_items(texts, "loglikelihood_rolling", "texts")
     if texts and all(isinstance(t, str) for t in texts):
         if runner.tokenizer is None:
             raise ValueError("string texts need a tokenizer: RadixBatchRunner(model, tokenizer)")
-        return [list(ids) for ids in runner.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        return [list(ids) for ids in runner.tokenizer(texts, add_special_tokens=False)["input_ids"]], {}
     if any(isinstance(t, str) for t in texts):
         raise ValueError("mix of string and token-id texts; pass one kind")
-    return [token_id_array(x).tolist() for x in texts]
+    token_lists, failures = [], {}
+    for i, text in enumerate(texts):
+        try:
+            token_lists.append(token_id_array(text).tolist())
+        except (TypeError, ValueError) as exc:
+            token_lists.append([])
+            failures[i] = str(exc)
+    return token_lists, failures
 
 
 ROLLING_GROUP_TOKENS = 1 << 16  # with a progress bar, texts are scored in runner calls of about this size
@@ -84,8 +93,10 @@ def loglikelihood_rolling(
     Texts longer than `max_length` (default: the model's context) are scored in disjoint rolling windows
     (`rolling_windows`); an empty text scores 0.0. The progress bar (default: shown for 32 texts or more)
     counts texts, which are scored in runner calls of about `ROLLING_GROUP_TOKENS` tokens for it.
+    A bad text (not token ids, ids outside the vocabulary) fails alone: once the others are scored, a
+    `RequestError` carries the messages by text index and the other totals (None in the failed places).
     """
-    token_lists = _token_lists(runner, texts)
+    token_lists, failures = _token_lists(runner, texts)
     prefix = default_prefix_token_id(runner) if prefix_token_id is None else prefix_token_id
     length = runner.engine.max_context if max_length is None else max_length
     windows = [rolling_windows(tokens, prefix, length) for tokens in token_lists]
@@ -101,10 +112,20 @@ def loglikelihood_rolling(
                 end += 1
             owners = [i for i in range(start, end) for _ in windows[i]]
             pairs = [pair for i in range(start, end) for pair in windows[i]]
-            for owner, (logprob, _) in zip(owners, runner.loglikelihood(pairs, progress=False)):
-                totals[owner] += logprob
+            try:
+                scores = runner.loglikelihood(pairs, progress=False)
+            except RequestError as exc:  # the other windows were scored
+                scores = exc.results
+                for j, message in exc.errors.items():
+                    failures.setdefault(owners[j], message)
+            for owner, score in zip(owners, scores):
+                if score is not None:
+                    totals[owner] += score[0]
             bar.update(end - start)
             start = end
+    if failures:
+        results = [None if i in failures else total for i, total in enumerate(totals)]
+        raise RequestError(dict(sorted(failures.items())), results, "texts")
     return totals
 
 

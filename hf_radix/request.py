@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import InitVar, dataclass, field
 
 import numpy as np
@@ -115,19 +117,97 @@ class Req:
         return np.arange(first - start, last - start, dtype=np.int64)
 
 
-def token_id_array(tokens) -> np.ndarray:
-    """One prompt's token ids (a list, an array or a tensor) as a 1-D int64 array, converted in one go.
+def prompt_items(prompts, call: str, noun: str = "prompts") -> list:
+    """`prompts` as a list, refusing what reads as one prompt rather than a batch of them (TypeError): a
+    string (it would run one prompt per character) or a flat sequence of numbers (one token-id prompt)."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError(
+            f"{call}() takes a list of {noun}, got a single string (read as one {noun[:-1]} per "
+            f"character); wrap it in a list: {call}([{noun[:-1]}])"
+        )
+    items = list(prompts)
+    if items and all(_is_scalar(p) for p in items):
+        raise TypeError(
+            f"{call}() takes a list of {noun}, got a flat sequence of numbers (one {noun[:-1]} of token "
+            f"ids?); wrap it in a list: {call}([token_ids])"
+        )
+    return items
 
-    Anything that is not a 1-D array of integers goes through `int()` element by element, as a list would.
+
+def pair_items(pairs, call: str = "loglikelihood") -> list:
+    """`pairs` as a list of (context, continuation) pairs, refusing (TypeError) one pair not wrapped in a
+    list: a pair of strings, or a pair of token-id lists (which would unpack into pairs of numbers)."""
+    one_pair = f"to score one pair, wrap it in a list: {call}([(context, continuation)])"
+    if isinstance(pairs, (str, bytes)):
+        raise TypeError(f"{call}() takes a list of (context, continuation) pairs, got a string; {one_pair}")
+    items = list(pairs)
+    for i, pair in enumerate(items):
+        sized = hasattr(pair, "__len__") and not isinstance(pair, (str, bytes)) and not _is_scalar(pair)
+        if not sized or len(pair) != 2:
+            raise TypeError(
+                f"{call}() takes a list of (context, continuation) pairs; item {i} is {_describe(pair)}, "
+                f"not a pair; {one_pair}"
+            )
+    if items and all(_is_scalar(c) and _is_scalar(x) for c, x in items):
+        raise TypeError(
+            f"{call}() takes a list of (context, continuation) pairs, got pairs of numbers (one pair of "
+            f"token-id lists?); {one_pair}"
+        )
+    return items
+
+
+def _is_scalar(value) -> bool:
+    return isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
+
+
+def token_id_array(tokens) -> np.ndarray:
+    """One prompt's token ids (a list, an array or a tensor of integers) as a 1-D int64 array.
+
+    Python ints and numpy / torch integer values are token ids; anything else raises a TypeError naming
+    the first offender and its position: floats (even 5.0), bools, strings, nested sequences, a scalar or
+    a 2-D array in place of the sequence. (A list mixing bools into ints converts as 0 / 1: telling them
+    apart would cost a pass over every element.) The vocabulary range is the scheduler's check.
     """
+    if isinstance(tokens, (str, bytes)) or getattr(tokens, "ndim", 1) == 0 or not hasattr(tokens, "__iter__"):
+        raise TypeError(f"token ids must form a sequence of integers, got {_describe(tokens)}")
+    if getattr(tokens, "ndim", 1) != 1:
+        raise TypeError(f"token ids must form a 1-D sequence, got shape {tuple(tokens.shape)}")
     values = tokens.tolist() if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray) else tokens
     try:
         array = np.asarray(values)
     except (ValueError, TypeError):  # ragged or otherwise not an array of numbers
         array = None
-    if array is not None and array.ndim == 1 and array.dtype.kind in "iu" and array.dtype != np.uint64:
-        return array.astype(np.int64, copy=False)
-    return np.array([int(t) for t in values], dtype=np.int64)
+    if array is not None and array.ndim == 1:
+        if array.dtype.kind in "iu" and array.dtype != np.uint64:
+            return array.astype(np.int64, copy=False)
+        if not array.size:
+            return np.empty(0, dtype=np.int64)
+    if isinstance(values, np.ndarray):
+        values = values.tolist()  # Python scalars in the messages
+    ids = np.empty(len(values), dtype=np.int64)
+    for i, t in enumerate(values):
+        value = None if isinstance(t, (bool, np.bool_)) else _index(t)
+        if value is None:
+            raise TypeError(f"token ids must be integers, got {_describe(t)} at position {i}")
+        if not -(1 << 63) <= value < 1 << 63:
+            raise ValueError(f"token ids must lie in the vocabulary, got {value} at position {i}")
+        ids[i] = value
+    return ids
+
+
+def _index(value) -> int | None:
+    """`value` as an int when it is an integer (Python, numpy, a one-element integer tensor), else None."""
+    if getattr(value, "dtype", None) is not None and "bool" in str(value.dtype):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
 def token_id_list(value) -> list[int]:

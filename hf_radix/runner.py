@@ -12,10 +12,12 @@ from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
 from .evaluation import loglikelihood_rolling
 from .model_runner import ModelRunner
-from .request import Req, RequestOutput, token_id_array, token_id_list
+from .request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stats import RadixStats
+
+_NO_TOKENS = np.empty(0, dtype=np.int64)  # the tokens of an item that failed conversion
 
 
 class RadixBatchRunner:
@@ -92,15 +94,25 @@ class RadixBatchRunner:
         return self.scheduler.step_times
 
     # -- inputs --------------------------------------------------------------------------------------
-    def _tokenize(self, prompts: Iterable) -> list[list[int]]:
-        return [ids.tolist() for ids in self._token_arrays(list(prompts))]
+    def _tokenize(self, items: Iterable, kind: str = "prompts") -> list[list[int]]:
+        """Every item's token ids; an item that is not valid token ids raises (ValueError, naming it)."""
+        items = prompt_items(items, "run") if kind == "prompts" else list(items)
+        arrays, failures = self._token_arrays(items, kind)
+        if failures:
+            index, message = next(iter(failures.items()))
+            raise ValueError(f"{kind[:-1]} {index}: {message}")
+        return [ids.tolist() for ids in arrays]
 
-    def _token_arrays(self, items: list, kind: str = "prompts") -> list[np.ndarray]:
+    def _token_arrays(self, items: list, kind: str = "prompts") -> tuple[list[np.ndarray], dict[int, str]]:
         """Each item (all strings, or all token-id sequences) as an int64 array; an item that repeats (the
         same string, or the same object, such as a context scored against each of its choices) is
-        tokenized or converted once and its array shared. Continuations get no special tokens."""
+        tokenized or converted once and its array shared. Continuations get no special tokens.
+
+        An item that is not a valid token-id sequence (floats, bools, a bare number) gets an empty array
+        and its message in the returned {index: message}: its request fails alone.
+        """
         if not items:
-            return []
+            return [], {}
         if all(isinstance(p, str) for p in items):
             if self.tokenizer is None:
                 raise ValueError(f"string {kind} need a tokenizer: RadixBatchRunner(model, tokenizer)")
@@ -108,17 +120,24 @@ class RadixBatchRunner:
             options = {"add_special_tokens": False} if kind == "continuations" else {}
             ids = self.tokenizer(unique, **options)["input_ids"]
             arrays = {text: np.asarray(t, dtype=np.int64) for text, t in zip(unique, ids)}
-            return [arrays[p] for p in items]
-        converted: dict[int, np.ndarray] = {}  # by id(): `items` keeps every object alive meanwhile
-        out = []
-        for p in items:
+            return [arrays[p] for p in items], {}
+        converted: dict[int, np.ndarray | str] = {}  # by id(): `items` keeps every object alive meanwhile
+        out, failures = [], {}
+        for i, p in enumerate(items):
             if isinstance(p, str):
-                raise ValueError("mix of string and token-id prompts; pass one kind")
+                raise ValueError(f"mix of string and token-id {kind}; pass one kind")
             array = converted.get(id(p))
             if array is None:
-                array = converted[id(p)] = token_id_array(p)
+                try:
+                    array = token_id_array(p)
+                except (TypeError, ValueError) as exc:
+                    array = str(exc)
+                converted[id(p)] = array
+            if isinstance(array, str):
+                failures[i] = array
+                array = _NO_TOKENS
             out.append(array)
-        return out
+        return out, failures
 
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
         engine = get_engine(self.model)  # a new one after configure(), or for a new dtype, device or config
@@ -164,9 +183,11 @@ class RadixBatchRunner:
         `RequestError` (carrying every output) after the others completed.
         """
         check_error_mode(errors)
-        arrays = self._token_arrays(list(prompts))
+        arrays, invalid = self._token_arrays(prompt_items(prompts, "run"))
         params = self._params_per_prompt(sampling_params, len(arrays))
         reqs = [Req(i, ids.tolist(), p, ids_array=ids) for i, (ids, p) in enumerate(zip(arrays, params))]
+        for i, message in invalid.items():
+            Scheduler._fail(reqs[i], message)
         self._execute(reqs, progress)
         outputs = [self._output(r) for r in reqs]
         failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
@@ -212,9 +233,11 @@ class RadixBatchRunner:
         and the other results) after the others completed; `errors="return"` returns None in its place.
         """
         check_error_mode(errors)
-        pairs = list(pairs)
-        contexts = self._token_arrays([c for c, _ in pairs])
-        continuations = self._token_arrays([x for _, x in pairs], "continuations")
+        pairs = pair_items(pairs)
+        contexts, bad_contexts = self._token_arrays([c for c, _ in pairs], "contexts")
+        continuations, bad_continuations = self._token_arrays([x for _, x in pairs], "continuations")
+        invalid = {i: f"continuation: {message}" for i, message in bad_continuations.items()}
+        invalid.update((i, f"context: {message}") for i, message in bad_contexts.items())
         context_lists: dict[int, list[int]] = {}  # a shared context's array -> its list, converted once
         reqs = []
         score = SamplingParams(max_new_tokens=0)
@@ -224,10 +247,12 @@ class RadixBatchRunner:
                 ctx_list = context_lists[id(ctx)] = ctx.tolist()
             ids = np.concatenate((ctx, cont))
             req = Req(i, ctx_list + cont.tolist(), score, score_from=len(ctx) - 1, ids_array=ids)
-            if not len(ctx) or not len(cont):
+            if i in invalid:
+                Scheduler._fail(req, invalid[i])
+            elif not len(ctx) or not len(cont):
                 Scheduler._fail(req, "context and continuation must both be non-empty")
             reqs.append(req)
-        self._execute([r for r in reqs if r.finish_reason is None], progress)
+        self._execute(reqs, progress)
         results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
         failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
         return raise_or_return(results, failures, errors, "scoring requests")
@@ -237,8 +262,7 @@ class RadixBatchRunner:
         return loglikelihood_rolling(self, texts, progress)
 
     def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
-        conts = [x for _, x in pairs]
-        return [ids.tolist() for ids in self._token_arrays(conts, "continuations")]
+        return self._tokenize([x for _, x in pairs], "continuations")
 
     def check_integrity(self) -> None:
         """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""

@@ -146,6 +146,8 @@ class Scheduler:
     # -- admission -----------------------------------------------------------------------------------
     def _admissible(self, req: Req) -> bool:
         """Rejects bad input up front, so it fails alone with a message."""
+        if req.finish_reason is not None:  # failed before (the runner could not convert its tokens)
+            return False
         ids = req.ids
         engine = self.engine
         if not len(ids):

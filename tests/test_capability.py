@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import fresh_model, random_ids
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
+from hf_radix.capability import check_model
 from hf_radix.engine import _ENGINE_ATTR
 
 
@@ -91,3 +93,41 @@ def test_training_mode_dropout_is_refused():
         runner.run([[5, 6, 7]], SamplingParams(max_new_tokens=1))
     model.eval()
     runner.check_integrity()
+
+
+def _tiny(config_class: str, **kwargs) -> torch.nn.Module:
+    ids = dict(vocab_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    config = getattr(transformers, config_class)(**ids, **kwargs)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_attention_outside_the_interface_is_named_as_such_not_recurrent_or_multimodal():
+    """GPT-Neo (attention modules without layer_idx) and MPT (an attn_config sub-config) are plain attention
+    models whose attention bypasses the interface; the refusal says exactly that."""
+    gpt_neo = _tiny("GPTNeoConfig", hidden_size=32, num_layers=2, num_heads=4,
+                    attention_types=[[["global", "local"], 1]], max_position_embeddings=64)
+    mpt = _tiny("MptConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64)
+    interface = "computes attention itself, not through transformers' attention interface"
+    for model, cls in ((gpt_neo, "GPTNeoSelfAttention"), (mpt, "MptAttention")):
+        with pytest.raises(UnsupportedModelError) as info:
+            check_model(model)
+        assert info.value.reason == f"{cls} {interface}"
+        _refused(model, cls)
+
+
+def test_decoder_sub_configs_and_attention_wrappers_are_not_refused():
+    """DBRX: attn_config / ffn_config describe its decoder, and DbrxNormAttentionNorm wraps an attention
+    module that calls the interface (exactness: the architecture matrix)."""
+    dbrx = _tiny("DbrxConfig", d_model=32, n_heads=4, n_layers=2, max_seq_len=64,
+                 attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                 ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1})
+    assert check_model(dbrx).attention_layers == 2
+
+
+def test_sub_configs_are_refused_as_multimodal_only_when_they_name_a_modality(monkeypatch):
+    model = fresh_model("llama")
+    config_class = type(model.config)
+    monkeypatch.setattr(config_class, "sub_configs", {"vq_config": transformers.PretrainedConfig})
+    _refused(model, r"multimodal \(vq_config\)")
+    monkeypatch.setattr(config_class, "sub_configs", {"patcher_config": transformers.PretrainedConfig})
+    _refused(model, r"made of several models \(patcher_config\)")

@@ -549,6 +549,31 @@ def test_right_padding_raises_and_leaves_engine_usable(gen):
     _clean(model)
 
 
+def test_empty_prompt_and_all_padding_row_raise_before_any_forward(gen):
+    """An empty prompt (plain transformers fails inside the forward, reshaping 0 elements) and a row that is
+    all padding raise a ValueError naming the problem before any forward; the engine stays usable."""
+    model = _model("llama")
+    engine = hf_radix.get_engine(model)
+    empty = torch.empty((1, 0), dtype=torch.long)
+    calls = [
+        (lambda: model.generate(input_ids=empty, cache_implementation="radix", max_new_tokens=2,
+                                pad_token_id=PAD), r"empty prompt \(input_ids of shape \(1, 0\)\).*BOS"),
+        (lambda: model.generate(empty, cache_implementation="radix", max_new_tokens=2, pad_token_id=PAD),
+         "empty prompt"),
+        (lambda: model.generate(inputs_embeds=torch.empty((2, 0, 64)), cache_implementation="radix",
+                                max_new_tokens=2, pad_token_id=PAD), r"inputs_embeds of shape \(2, 0, 64\)"),
+        (lambda: _generate(model, [random_ids(gen, 5), []], True, max_new_tokens=2),
+         r"row 1 of the batch is empty \(all padding\)"),
+    ]
+    for call, message in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+        assert engine.stats.computed_tokens == 0  # refused before computing anything
+        _clean(model)
+    _both(model, [random_ids(gen, 5), random_ids(gen, 3)], max_new_tokens=3)
+    _clean(model)
+
+
 def test_pool_too_small_fails_early_with_advice(gen):
     model = _model("llama", page_size=4, max_total_tokens=64)
     engine = hf_radix.get_engine(model)

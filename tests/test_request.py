@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -14,14 +16,16 @@ from hf_radix.sampling import SamplingParams
     "tokens",
     [
         [5, 0, 7],
+        (5, 0, 7),
         [np.int64(3), np.int32(9)],
+        [torch.tensor(4), np.uint64(3)],
         np.array([4, 2, 1], dtype=np.int32),
         np.array([250, 3], dtype=np.uint8),
+        np.array([7, 1], dtype=np.uint64),
         torch.tensor([8, 1, 6]),
-        [2.0, 7.9],  # floats go through int(), as they always did
-        [True, False],
-        np.array([1.5, 2.5]),
+        [5, -1],  # converted; the scheduler fails it against the vocabulary
         [],
+        torch.tensor([], dtype=torch.float32),
     ],
 )
 def test_token_id_array_equals_int_per_element(tokens):
@@ -32,10 +36,26 @@ def test_token_id_array_equals_int_per_element(tokens):
 
 
 @pytest.mark.parametrize(
-    "tokens", [[1, [2, 3]], [[1, 2], [3, 4]], ["a", 1], np.zeros((2, 2), dtype=np.int64)]
+    ("tokens", "message"),
+    [
+        ([5.7, 6.2], "be integers, got float 5.7 at position 0"),
+        ([5, 6.0], "be integers, got float 6.0 at position 1"),  # an integral float is still a float
+        (np.array([1.5, 2.5]), "be integers, got float 1.5 at position 0"),
+        (torch.tensor([2.0, 3.0]), "be integers, got float 2.0 at position 0"),
+        ([True, False], "be integers, got bool True at position 0"),
+        (torch.tensor([True]), "be integers, got bool True at position 0"),
+        ([torch.tensor(True)], "be integers, got Tensor tensor(True) at position 0"),
+        ([1, [2, 3]], "be integers, got list [2, 3] at position 1"),
+        ([[1, 2], [3, 4]], "be integers, got list [1, 2] at position 0"),
+        (["a", 1], "be integers, got str 'a' at position 0"),
+        (np.zeros((2, 2), dtype=np.int64), "form a 1-D sequence, got shape (2, 2)"),
+        (7, "form a sequence of integers, got int 7"),
+        ("abc", "form a sequence of integers, got str 'abc'"),
+        ([2**70], "lie in the vocabulary, got 1180591620717411303424 at position 0"),
+    ],
 )
-def test_token_id_array_refuses_what_int_refuses(tokens):
-    with pytest.raises((TypeError, ValueError)):
+def test_token_id_array_refuses_what_is_not_integer_token_ids_naming_it(tokens, message):
+    with pytest.raises((TypeError, ValueError), match=f"^token ids must {re.escape(message)}$"):
         token_id_array(tokens)
 
 
