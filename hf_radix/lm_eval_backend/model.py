@@ -121,32 +121,18 @@ class HFRadixLM(TemplateLM):
             logger.info_once(f"hf-radix: {model_args.BATCH_NOTE}")
         if enable_thinking and think_end_token is None:
             raise ValueError("hf-radix: enable_thinking=True needs think_end_token (as lm-eval's hf backend)")
-        hub = {"revision": revision, "subfolder": subfolder, "trust_remote_code": trust_remote_code}
-        if isinstance(tokenizer, str) or tokenizer is None:
-            source = tokenizer or (pretrained if isinstance(pretrained, str) else pretrained.name_or_path)
-            if not source:
-                raise ValueError(
-                    "hf-radix: pass `tokenizer` along with a model object that has no name_or_path"
-                )
-            tokenizer = model_args.load_tokenizer(
-                source, use_fast=use_fast_tokenizer, add_bos_token=add_bos_token, **hub
-            )
-        else:
-            tokenizer = model_args.apply_add_bos_token(tokenizer, add_bos_token)
-        if isinstance(pretrained, str):
-            model = model_args.load_model(
-                pretrained,
-                dtype=model_args.parse_dtype(dtype),
-                device=model_args.resolve_device(device),
-                peft=peft,
-                tokenizer=tokenizer,
-                **hub,
-            )
-        else:
-            if peft:
-                raise ValueError("hf-radix: peft needs `pretrained` by name or path (or merge it yourself)")
-            model_args.check_model_device(pretrained, device)
-            model = pretrained
+        model, tokenizer, self._num_parameters = model_args.load(
+            pretrained,
+            tokenizer,
+            dtype=dtype,
+            device=device,
+            peft=peft,
+            use_fast=use_fast_tokenizer,
+            add_bos_token=add_bos_token,
+            revision=revision,
+            subfolder=subfolder,
+            trust_remote_code=trust_remote_code,
+        )
         model.eval()
         self.tokenizer = tokenizer
         self._max_length = max_length or resolve_max_length(model.config, tokenizer)
@@ -186,22 +172,8 @@ class HFRadixLM(TemplateLM):
         self.pretrained = pretrained
         self.revision = revision
         self.peft = peft
-        self._note_softmax_dtype(model_args.parse_dtype(softmax_dtype, "softmax_dtype"), model.dtype)
+        model_args.note_softmax_dtype(model_args.parse_dtype(softmax_dtype, "softmax_dtype"), model.dtype)
         self.reuse = ReuseCounter(self.runner.engine)
-
-    @staticmethod
-    def _note_softmax_dtype(softmax_dtype, model_dtype: torch.dtype) -> None:
-        if softmax_dtype == "auto":
-            if model_dtype != torch.float32:
-                logger.info_once(
-                    f"hf-radix: log-softmax runs in float32 (lm-eval's hf backend uses the model's "
-                    f"{model_dtype} "
-                    "unless softmax_dtype=float32 is passed; hf-radix matches that setting)"
-                )
-        elif softmax_dtype != torch.float32:
-            logger.warning_once(
-                f"hf-radix: softmax_dtype={softmax_dtype} is not applied; log-softmax always runs in float32"
-            )
 
     # -- tokens --------------------------------------------------------------------------------------
     @property
@@ -419,4 +391,5 @@ class HFRadixLM(TemplateLM):
         """`hf`'s model information plus this run's prefix reuse; logs the one-line reuse summary."""
         stats = self.reuse.since_start()
         logger.info("hf-radix: %s", self.reuse.summary(stats))
-        return {**model_info(self.model, self.pretrained, self.revision, self.peft), "hf_radix_reuse": stats}
+        info = model_info(self.model, self.pretrained, self.revision, self.peft, self._num_parameters)
+        return {**info, "hf_radix_reuse": stats}

@@ -95,29 +95,56 @@ def check_model_device(model: torch.nn.Module, device: str | None) -> None:
         )
 
 
-def load_model(
-    pretrained: str,
+def load(
+    pretrained: str | torch.nn.Module,
+    tokenizer,
     *,
     dtype,
-    device: torch.device,
+    device: str | None,
+    peft: str | None,
+    use_fast: bool,
+    add_bos_token: bool | None,
     revision: str | None,
     subfolder: str,
     trust_remote_code: bool,
-    peft: str | None,
-    tokenizer,
-) -> torch.nn.Module:
-    """AutoModelForCausalLM from a hub id or path, a PEFT adapter merged in, on `device`."""
+) -> tuple[torch.nn.Module, transformers.PreTrainedTokenizerBase, int | None]:
+    """The model and tokenizer as `hf` loads them (tokenizer first), and the parameter count `hf` reports.
+
+    `pretrained` and `tokenizer` are hub ids, local directories or objects. A PEFT adapter (`peft`: hub id
+    or local directory) is loaded onto a `pretrained` loaded here, as `hf` does, then merged; the count is
+    that of the model with its adapter layers (what `hf` records), else None (count the model).
+    """
+    hub = {"revision": revision, "subfolder": subfolder, "trust_remote_code": trust_remote_code}
+    if isinstance(tokenizer, str) or tokenizer is None:
+        source = tokenizer or (pretrained if isinstance(pretrained, str) else pretrained.name_or_path)
+        if not source:
+            raise ValueError("hf-radix: pass `tokenizer` along with a model object that has no name_or_path")
+        tokenizer = load_tokenizer(source, use_fast=use_fast, add_bos_token=add_bos_token, **hub)
+    else:
+        tokenizer = apply_add_bos_token(tokenizer, add_bos_token)
+    if not isinstance(pretrained, str):
+        if peft:  # hf would ignore it here (it applies peft only to models it loads)
+            raise ValueError(
+                "hf-radix: peft needs `pretrained` as a hub id or local directory (lm-eval's hf backend "
+                "ignores peft on a model object); load the adapter yourself, or pass the model by path"
+            )
+        check_model_device(pretrained, device)
+        return pretrained, tokenizer, None
     options = {"revision": revision, "trust_remote_code": trust_remote_code}
     if subfolder:
         options["subfolder"] = subfolder
-    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, **options)
+    model = transformers.AutoModelForCausalLM.from_pretrained(pretrained, dtype=parse_dtype(dtype), **options)
+    count = None
     if peft:
-        model = merge_peft(model, peft, revision, tokenizer)
-    return model.to(device)
+        model, count = merge_peft(model, peft, revision, tokenizer)
+    return model.to(resolve_device(device)), tokenizer, count
 
 
-def merge_peft(model: torch.nn.Module, adapter: str, revision: str | None, tokenizer) -> torch.nn.Module:
-    """Loads a PEFT adapter as `hf` does and merges it into the weights (the radix path runs plain models)."""
+def merge_peft(model: torch.nn.Module, adapter: str, revision: str | None, tokenizer) -> tuple:
+    """Loads a PEFT adapter as `hf` does and merges it into the weights (the radix path runs plain models).
+
+    Returns the merged model and the parameter count `hf` reports for the unmerged one (adapter included).
+    """
     try:
         from peft import PeftModel
     except ImportError as error:
@@ -125,12 +152,13 @@ def merge_peft(model: torch.nn.Module, adapter: str, revision: str | None, token
     vocab = model.config.get_text_config(decoder=True).vocab_size
     if vocab != len(tokenizer):  # adapters that added tokens, as hf handles them
         model.resize_token_embeddings(len(tokenizer))
-    merged = PeftModel.from_pretrained(model, adapter, revision=revision).merge_and_unload()
+    with_adapter = PeftModel.from_pretrained(model, adapter, revision=revision)
+    count = with_adapter.num_parameters()
     logger.warning_once(
         "hf-radix: the PEFT adapter is merged into the weights; in half precision the merged weights round "
         "differently from hf's unmerged adapter layers (expect bf16-sized differences, not more)"
     )
-    return merged
+    return with_adapter.merge_and_unload(), count
 
 
 def load_tokenizer(
@@ -175,6 +203,20 @@ def apply_add_bos_token(tokenizer, add_bos_token: bool | None):
         "backend applies it only to tokenizers it loads by name"
     )
     return changed
+
+
+def note_softmax_dtype(softmax_dtype, model_dtype: torch.dtype) -> None:
+    """Says how `softmax_dtype` compares with hf-radix's float32 log-softmax (never applied otherwise)."""
+    if softmax_dtype == "auto":
+        if model_dtype != torch.float32:
+            logger.info_once(
+                f"hf-radix: log-softmax runs in float32 (lm-eval's hf backend uses the model's {model_dtype} "
+                "unless softmax_dtype=float32 is passed; hf-radix matches that setting)"
+            )
+    elif softmax_dtype != torch.float32:
+        logger.warning_once(
+            f"hf-radix: softmax_dtype={softmax_dtype} is not applied; log-softmax always runs in float32"
+        )
 
 
 def _rope_types(config) -> set[str]:

@@ -55,10 +55,20 @@ def _hub_sha(name, revision: str | None) -> str:
         return ""
 
 
-def model_info(model: torch.nn.Module, pretrained, revision: str | None, peft: str | None) -> dict:
-    """The fields of lm-eval's `hf` `get_model_info`: parameters, dtype, revision, hub commits."""
+def model_info(
+    model: torch.nn.Module,
+    pretrained,
+    revision: str | None,
+    peft: str | None,
+    num_parameters: int | None = None,
+) -> dict:
+    """The fields of lm-eval's `hf` `get_model_info`: parameters, dtype, revision, hub commits.
+
+    `num_parameters` overrides the model's count: with a merged PEFT adapter, `hf`'s count of the unmerged
+    model (its adapter layers included).
+    """
     info = {
-        "model_num_parameters": model.num_parameters(),
+        "model_num_parameters": model.num_parameters() if num_parameters is None else num_parameters,
         "model_dtype": model.dtype,
         "model_revision": revision,
         "model_sha": _hub_sha(pretrained, revision),
