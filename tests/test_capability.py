@@ -89,7 +89,7 @@ def test_training_mode_dropout_is_refused():
         layer.self_attn.attention_dropout = 0.1
     runner = RadixBatchRunner(model, max_total_tokens=256, attn_backend="torch")
     model.train()
-    with pytest.raises(ValueError, match="eval mode"):
+    with pytest.raises(ValueError, match=r"model\.eval\(\)"):
         runner.run([[5, 6, 7]], SamplingParams(max_new_tokens=1))
     model.eval()
     runner.check_integrity()
