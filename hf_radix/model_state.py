@@ -19,15 +19,24 @@ from __future__ import annotations
 
 import json
 import sys
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from transformers import PreTrainedConfig
 
 __all__ = ["BASE_NAMESPACE", "CONFIG_IGNORED", "ModelState", "StateCheck", "config_snapshot"]
 
+_VERSION = attrgetter("_version")
+_DATA_PTR = torch.Tensor.data_ptr
 BASE_NAMESPACE: Hashable = None  # the model without adapters (or with every adapter disabled)
 
 # Config entries that do not change what K/V a prompt produces.
@@ -39,15 +48,19 @@ CONFIG_IGNORED = frozenset({
 
 
 class _Epochs:
-    """Process-wide counters bumped by torch's global hooks (module registrations, optimizer steps)."""
+    """Process-wide counters bumped by torch's global hooks (registrations into watched models, optimizer
+    steps)."""
 
     structure = 0
     optimizer = 0
     stepped: dict[int, int] = {}  # id(parameter) -> the optimizer epoch of its last step
+    watched: weakref.WeakSet = weakref.WeakSet()  # every module of every model a ModelState watches
 
 
-def _on_registration(*_args) -> None:
-    _Epochs.structure += 1
+def _on_registration(module: torch.nn.Module, *_args) -> None:
+    # modules built outside a watched model (a forward's `layers[:n]` makes a new ModuleList) do not count
+    if module in _Epochs.watched:
+        _Epochs.structure += 1
 
 
 def _on_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
@@ -58,9 +71,9 @@ def _on_optimizer_step(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None
             stepped[id(param)] = epoch
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_buffer_registration_hook(_on_registration)
-torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
+register_module_parameter_registration_hook(_on_registration)
+register_module_buffer_registration_hook(_on_registration)
+register_module_module_registration_hook(_on_registration)
 register_optimizer_step_post_hook(_on_optimizer_step)
 
 
@@ -124,13 +137,12 @@ class ModelState:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        first = _first_floating(model)
-        self.dtype = first.dtype if first is not None else None
-        self.device = first.device if first is not None else None
         self.config = config_snapshot(model.config)
         self._optimizer = _Epochs.optimizer
         self._rebuild()
-        self._seen = self._read()
+        self._snapshot()
+        self.dtype = self._first.dtype if self._first is not None else None
+        self.device = self._first.device if self._first is not None else None
         self._merged = self._merged_adapters()
         self._namespace_raw: tuple = ()
         self._namespace: Hashable = BASE_NAMESPACE
@@ -138,7 +150,7 @@ class ModelState:
     # -- what needs a new engine ---------------------------------------------------------------------
     def engine_change(self) -> str | None:
         """Why the engine's pool or attention set-up no longer fits the model (dtype, device, config)."""
-        first = _first_floating(self.model)
+        first = self._first if self._structure == _Epochs.structure else _first_floating(self.model)
         if first is not None and (first.dtype, first.device) != (self.dtype, self.device):
             return f"the model moved from {self.dtype} on {self.device} to {first.dtype} on {first.device}"
         if config_snapshot(self.model.config) != self.config:
@@ -151,13 +163,9 @@ class ModelState:
         stale, moved = None, False
         if self._structure != _Epochs.structure:
             stale, moved = self._rebuilt_diff()
-        else:
-            try:
-                now = self._read()
-            except (KeyError, RuntimeError):  # a tensor removed, or one that lost its version counter
-                now = None
-            if now != self._seen:
-                stale, moved = self._rebuilt_diff() if now is None else self._diff(now)
+        elif (sum(map(_VERSION, self._versioned)) != self._version_sum  # versions only grow
+              or tuple(map(_DATA_PTR, self._tensors)) != self._addresses):
+            stale, moved = self._diff()
         if self._optimizer != _Epochs.optimizer:
             since, stepped = self._optimizer, _Epochs.stepped
             self._optimizer = _Epochs.optimizer
@@ -178,7 +186,7 @@ class ModelState:
     @property
     def num_tensors(self) -> int:
         """Parameters and buffers watched."""
-        return len(self._slots)
+        return len(self._tensors)
 
     def namespace_label(self) -> str:
         """The current namespace in words, for cache files: the active adapters and their scaling."""
@@ -192,40 +200,36 @@ class ModelState:
 
     # -- internals -----------------------------------------------------------------------------------
     def _rebuild(self) -> None:
-        """Lists the model's tensors (each by its owner's dict and name) and PEFT layers anew."""
+        """Lists the model's tensors, PEFT layers and dropout modules anew."""
         self._structure = _Epochs.structure
-        slots, names, seen = [], [], set()
+        tensors, names, seen = [], [], set()
         for prefix, module in self.model.named_modules():
+            _Epochs.watched.add(module)
             for table in (module._parameters, module._buffers):
                 for name, tensor in table.items():
                     if tensor is not None and id(tensor) not in seen:
                         seen.add(id(tensor))
-                        slots.append((tensor.is_inference(), table, name))
+                        tensors.append(tensor)
                         names.append(f"{prefix}.{name}" if prefix else name)
-        # inference tensors keep no version counter: they come last and are compared without one
-        order = sorted(range(len(slots)), key=lambda i: slots[i][0])
-        self._versioned = sum(not slots[i][0] for i in order)
-        self._slots = [slots[i][1:] for i in order]
-        self._names = [names[i] for i in order]
-        self._tensors = [table[name] for table, name in self._slots]
+        self._tensors, self._names = tensors, names
+        self._versioned = [t for t in tensors if not t.is_inference()]  # inference tensors have no version
+        self._first = next((t for t in tensors if t.is_floating_point()), None)
         self._layers = _tuner_layers(self.model)
         self._adapter_of = _adapter_tensors(self._layers)
         self._dropouts = _dropout_modules(self.model)
 
-    def _read(self) -> list[tuple[int, int, int]]:
-        """(identity, version, address) of every tensor, in slot order; KeyError if one was removed."""
-        tensors = [table[name] for table, name in self._slots]
-        count = self._versioned
-        return [(id(t), t._version, t.data_ptr()) for t in tensors[:count]] + [
-            (id(t), 0, t.data_ptr()) for t in tensors[count:]
-        ]
+    def _snapshot(self) -> None:
+        """Remembers every tensor's (identity, version, address), and their per-call summary."""
+        self._seen = [(id(t), 0 if t.is_inference() else t._version, t.data_ptr()) for t in self._tensors]
+        self._version_sum = sum(version for _, version, _ in self._seen)
+        self._addresses = tuple(address for *_, address in self._seen)
 
-    def _diff(self, now: list[tuple[int, int, int]]) -> tuple[str, bool]:
-        """The reason and whether storage moved, for a change within the same tensor slots."""
-        before, self._seen = self._seen, now
-        self._tensors = [table[name] for table, name in self._slots]
-        changed = [i for i, (old, new) in enumerate(zip(before, now)) if old != new]
-        moved = any(before[i][0] != now[i][0] or before[i][2] != now[i][2] for i in changed)
+    def _diff(self) -> tuple[str, bool]:
+        """The reason and whether storage moved, for a change among the same tensors."""
+        before = self._seen
+        self._snapshot()
+        changed = [i for i, (old, new) in enumerate(zip(before, self._seen)) if old != new]
+        moved = any(before[i][2] != self._seen[i][2] for i in changed)
         more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
         return f"{self._names[changed[0]]} changed{more}", moved
 
@@ -233,15 +237,15 @@ class ModelState:
         """Re-lists the tensors after a structural change and compares them with those seen before."""
         before = {entry[0]: entry for entry in self._seen}
         self._rebuild()
-        now = self._seen = self._read()
+        self._snapshot()
+        now = self._seen
         gone = set(before) - {entry[0] for entry in now}
         moved = bool(gone) or any(before[e[0]][2] != e[2] for e in now if e[0] in before)
         if gone:
             return "parameters or buffers were replaced or removed", moved
         if moved or any(before[e[0]] != e for e in now if e[0] in before):
             return "parameters or buffers changed in place", moved
-        added = [e[0] for e in now if e[0] not in before and e[0] not in self._adapter_of]
-        if added:
+        if any(e[0] not in before and e[0] not in self._adapter_of for e in now):
             return "parameters or buffers were added to the model", moved
         return None, False
 
