@@ -113,3 +113,20 @@ def test_cache_files_record_the_adapter_set(tmp_path):
     with pytest.raises(CacheFileError, match="other weights"):
         runner.load_cache(path)
     runner.check_integrity()
+
+
+def test_host_tier_keeps_each_adapter_sets_prefixes():
+    """Prefixes evicted to the host tier come back only into their own adapter set's namespace."""
+    model = _lora_model()
+    runner = RadixBatchRunner(model, max_total_tokens=48, host_cache_tokens=1024)
+    shared = prompts()
+    first = [o.token_ids for o in runner.run(shared, SamplingParams(max_new_tokens=NEW))]
+    model.set_adapter("second")
+    second = runner.run(shared, SamplingParams(max_new_tokens=NEW))  # evicts the first set's prefixes
+    assert second[0].cached_tokens == 0
+    model.set_adapter("first")
+    again = runner.run(shared, SamplingParams(max_new_tokens=NEW))
+    assert [o.token_ids for o in again] == first
+    assert again[0].host_cached_tokens > 0  # copied back from the host tier, the first set's own copy
+    assert_matches_hf(model, runner)
+    assert hf_radix.cache_stats(model)["invalidations"] == 0
