@@ -157,7 +157,9 @@ class RadixBatchRunner:
         try:
             self.scheduler.run(reqs, show)
         finally:
-            self.stats.wall_time += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.stats.wall_time += elapsed
+            self.engine.stats.wall_time += elapsed
             self.stats.requests += len(reqs)
             self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
             self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
