@@ -72,11 +72,13 @@ def test_gather_kernel_compiles_for_sm90():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from hf_radix.kernels import FP_FUSION
     from hf_radix.kernels.triton_slots import BLOCK, _gather_runs_kernel
 
     signature = {"flat_slots": "*i32", "bases": "*i64", "indptr": "*i32", "out": "*i64", "BLOCK": "constexpr"}
     compiled = triton.compile(ASTSource(_gather_runs_kernel, signature, constexprs={"BLOCK": BLOCK}),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "enable_fp_fusion": FP_FUSION})  # as launched
     assert compiled.asm["cubin"]
 
 
