@@ -130,6 +130,7 @@ def test_generation_config_the_runner_cannot_honour_raises(name, settings):
 
 def test_run_without_sampling_params_generates_as_many_tokens_as_generate():
     model = fresh_model("llama", seed=3)
+    model.generation_config.eos_token_id = None  # every answer runs to its length (the runner reads it now)
     runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=1024)
     short, long = list(range(5, 25)), list(range(5, 45))
 
@@ -138,7 +139,6 @@ def test_run_without_sampling_params_generates_as_many_tokens_as_generate():
             return model.generate(torch.tensor([prompt]), pad_token_id=0, eos_token_id=None,
                                   do_sample=False)[0, len(prompt):].tolist()
 
-    model.generation_config.eos_token_id = None  # every answer runs to its length
     with pytest.warns(UserWarning, match="default `max_length`"):
         expected = plain(short)
     assert len(expected) == 20 and runner.run([short])[0].token_ids == expected  # transformers' default
