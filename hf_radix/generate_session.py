@@ -7,6 +7,7 @@ the call's rows: it turns each padded step of generate into the rows of a step f
 from __future__ import annotations
 
 import functools
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -73,6 +74,7 @@ class RadixGenerateCache(RadixCache):
         self.model_runner: ModelRunner | None = engine.model_runner  # graph or eager per step; None: finished
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
+        self._started: float | None = None  # when the call began under the engine's lock (prefill_ahead)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if self.finished:  # a finished call's cache handed to a plain forward: fail before any layer
@@ -163,6 +165,7 @@ class RadixGenerateCache(RadixCache):
         runs on a stream of its own, so that generate's set-up, whose host syncs wait for the default
         stream, need not wait for it.
         """
+        self._started = time.perf_counter()  # called once per call, first, under the engine's lock
         ids = call.get("inputs") if call.get("inputs") is not None else call.get("input_ids")
         mask = call.get("attention_mask")
         if (
@@ -450,6 +453,8 @@ class RadixGenerateCache(RadixCache):
                     computed = 0 if self.opaque[b] else min(self.computed[b], keep)
                     manager.cache_req(row, tokens, computed, finished=True)
         self.engine.stats.generated_tokens += generated
+        if self._started is not None:
+            self.engine.stats.wall_time += time.perf_counter() - self._started
 
 
 _ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> side stream

@@ -106,9 +106,7 @@ class KVPool:
             self._v_all = self.buffer[k_numel:].view(v_shape)
             self._k = list(self._k_all.unbind(0))
             self._v = list(self._v_all.unbind(0))
-        logger.info(
-            "KV pool: %d tokens, %.2f GiB", slots, self.buffer.numel() * self.buffer.element_size() / 2**30
-        )
+        # no message here: the engine announces the pool once, its managed tokens (scratch page excluded)
 
     @property
     def num_slots(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable, Sequence
 
@@ -13,7 +14,7 @@ from .errors import check_error_mode, raise_or_return
 from .evaluation import loglikelihood_rolling
 from .model_runner import ModelRunner
 from .request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
-from .sampling import SamplingParams
+from .sampling import SamplingParams, generate_new_tokens
 from .scheduler import Scheduler
 from .stats import RadixStats
 
@@ -157,7 +158,9 @@ class RadixBatchRunner:
         try:
             self.scheduler.run(reqs, show)
         finally:
-            self.stats.wall_time += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            self.stats.wall_time += elapsed
+            self.engine.stats.wall_time += elapsed
             self.stats.requests += len(reqs)
             self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
             self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
@@ -178,13 +181,16 @@ class RadixBatchRunner:
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings need the tokenizer; or lists of token ids); input order.
 
-        Without `sampling_params`, the settings of `model.generation_config` apply. A bad request fails
-        alone: its output has `finish_reason="error"` and the message in `error`; `errors="raise"` raises a
-        `RequestError` (carrying every output) after the others completed.
+        Without `sampling_params`, the settings of `model.generation_config` apply as `generate` applies
+        them, its length included (`max_new_tokens`, else `max_length` minus the prompt, else 20 new
+        tokens). A bad request fails alone: its output has `finish_reason="error"` and the message in
+        `error`; `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
         """
         check_error_mode(errors)
         arrays, invalid = self._token_arrays(prompt_items(prompts, "run"))
-        params = self._params_per_prompt(sampling_params, len(arrays))
+        params = self._params_per_prompt(
+            sampling_params, len(arrays), [len(ids) for ids in arrays], failures=invalid
+        )
         reqs = [Req(i, ids.tolist(), p, ids_array=ids) for i, (ids, p) in enumerate(zip(arrays, params))]
         for i, message in invalid.items():
             Scheduler._fail(reqs[i], message)
@@ -194,14 +200,47 @@ class RadixBatchRunner:
         return raise_or_return(outputs, failures, errors, "requests")
 
     def _params_per_prompt(
-        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+        self,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        num_prompts: int,
+        prompt_lens: Sequence[int] | None = None,
+        failures: dict[int, str] | None = None,
     ) -> list[SamplingParams]:
         """One SamplingParams per prompt: the given one repeated, the given list, or, without either,
-        `model.generation_config`'s."""
-        params = sampling_params or SamplingParams.from_generation_config(self.model.generation_config)
+        `model.generation_config`'s, each prompt's length as generate decides it from `prompt_lens`; a prompt
+        it leaves no room for gets its message in `failures` (its request then fails alone)."""
+        if not sampling_params:
+            return self._generation_config_params(num_prompts, prompt_lens, failures)
+        params = sampling_params
         params = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
         if len(params) != num_prompts:
             raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
+        return params
+
+    def _generation_config_params(
+        self, num_prompts: int, prompt_lens: Sequence[int] | None, failures: dict[int, str] | None
+    ) -> list[SamplingParams]:
+        config = self.model.generation_config
+        if prompt_lens is None:
+            return [SamplingParams.from_generation_config(config)] * num_prompts
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        # the sampling settings (raises for what the runner cannot honour); the length is each prompt's
+        template = SamplingParams.from_generation_config(config, prompt_len=0)
+        by_length: dict[int, SamplingParams | str] = {}
+        params = []
+        for i, length in enumerate(prompt_lens):
+            if length not in by_length:
+                try:
+                    new = generate_new_tokens(config, length, positions)
+                    by_length[length] = dataclasses.replace(template, max_new_tokens=new)
+                except ValueError as exc:  # no room left after the prompt: generate would raise
+                    by_length[length] = str(exc)
+            chosen = by_length[length]
+            if isinstance(chosen, str):
+                if failures is not None:
+                    failures.setdefault(i, chosen)
+                chosen = dataclasses.replace(template, max_new_tokens=0)
+            params.append(chosen)
         return params
 
     def _output(self, req: Req) -> RequestOutput:

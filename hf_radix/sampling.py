@@ -60,12 +60,15 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids or ()))
 
     @classmethod
-    def from_generation_config(cls, config) -> SamplingParams:
+    def from_generation_config(
+        cls, config, prompt_len: int | None = None, max_positions: int | None = None
+    ) -> SamplingParams:
         """The parameters `generate` would sample with under `config` (e.g. `model.generation_config`).
 
         Unset fields take transformers' generate defaults (greedy unless `do_sample`; top_k=50 when sampling).
-        `max_length` counts the prompt and is not read: without `max_new_tokens` the default of 64 applies.
-        Settings the runner cannot honour exactly (beam search, repetition penalties, min-p, ...) raise.
+        The length is generate's (`generate_new_tokens`): `max_new_tokens`, else `max_length` minus the
+        prompt's `prompt_len` tokens, else 20 new tokens. Settings the runner cannot honour exactly (beam
+        search, repetition penalties, min-p, ...) raise.
         """
         defaults = getattr(config, "_get_default_generation_params", dict)()
 
@@ -91,7 +94,7 @@ class SamplingParams:
             )
         top_k = value("top_k", 0) or -1
         return cls(
-            max_new_tokens=value("max_new_tokens", cls.max_new_tokens),
+            max_new_tokens=generate_new_tokens(config, prompt_len, max_positions),
             temperature=float(value("temperature", 1.0)) if do_sample else 0.0,
             top_p=float(value("top_p", 1.0)) if do_sample else 1.0,
             top_k=top_k if do_sample else -1,
@@ -101,6 +104,43 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+GENERATE_DEFAULT_NEW_TOKENS = 20  # transformers' default max_length, counted from the prompt when unset
+
+
+def generate_new_tokens(config, prompt_len: int | None = None, max_positions: int | None = None) -> int:
+    """How many tokens `generate` may add to a prompt of `prompt_len` tokens under `config` (a call that sets
+    no length itself), as transformers 5.x decides it:
+
+    - `config.max_new_tokens`, when set;
+    - else `config.max_length - prompt_len` when `max_length` is set (it counts the prompt, so `prompt_len`
+      is needed; a checkpoint's `generation_config.json` often sets it);
+    - else 20 new tokens, transformers' default, though no further than `max_positions` (the model's
+      `max_position_embeddings`) when both it and `prompt_len` are given.
+
+    A prompt that leaves no room raises ValueError, as generate does.
+    """
+    if getattr(config, "max_new_tokens", None) is not None:
+        return config.max_new_tokens
+    max_length = getattr(config, "max_length", None)
+    if max_length is None:
+        if prompt_len is None or max_positions is None:
+            return GENERATE_DEFAULT_NEW_TOKENS
+        limit = min(prompt_len + GENERATE_DEFAULT_NEW_TOKENS, max_positions)
+    elif prompt_len is None:
+        raise ValueError(
+            f"the generation config sets max_length={max_length}, which counts the prompt, and no "
+            "max_new_tokens: give the prompt's length, or pass SamplingParams(max_new_tokens=...)"
+        )
+    else:
+        limit = max_length
+    if prompt_len >= limit:
+        raise ValueError(
+            f"the prompt has {prompt_len} tokens but generate's max_length is {limit} (it counts the "
+            "prompt); set max_new_tokens in the generation config or pass SamplingParams(max_new_tokens=...)"
+        )
+    return limit - prompt_len
 
 
 _MASK32 = 0xFFFFFFFF

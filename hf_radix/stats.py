@@ -18,7 +18,7 @@ class RadixStats:
     forward_calls: int = 0
     invalidations: int = 0  # times the cache was dropped because the model's weights or config changed
     invalidated_tokens: int = 0  # cached tokens those drops released
-    wall_time: float = 0.0
+    wall_time: float = 0.0  # seconds inside radix calls (an engine: runner calls and radix generate calls)
 
     @property
     def hit_rate(self) -> float:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Sets up a virtual environment (CPU torch), installs hf_radix into it (a regular, non-editable install)
-# and runs the demo: plain generate and hf_radix side by side on a tiny random-weight model.
+# Sets up a virtual environment (CPU torch), installs hf_radix into it (a regular, non-editable install;
+# skipped when this source is already installed there) and runs the demo: plain generate and hf_radix side
+# by side on a tiny random-weight model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-"$PY" -m pip install -qq .
+pip_install_once demo-install .
 "$PY" -m hf_radix.demo "$@"

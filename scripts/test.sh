@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh
-"$PY" -m pip install -qq ".[test]"  # the tests import the source tree (pyproject's pythonpath)
+pip_install_once test-install ".[test]"  # the tests import the source tree (pyproject's pythonpath)
 "$PY" -m pip install -qq -U "transformers>=5.17,<6"
 "$PY" -m ruff check .
 echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"

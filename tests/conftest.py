@@ -10,6 +10,38 @@ from hf_radix.tiny import tiny_model, tiny_tokenizer
 
 torch.set_num_threads(2)
 
+GPU_COMMAND = "python -m pytest -m gpu"
+_gpu_deselected: list[int] = []  # GPU tests left out here (from every xdist worker's collection)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without CUDA, the GPU tests (marker `gpu`) are deselected, not skipped one by one, unless a `-m`
+    expression names `gpu`; the run ends with one line saying how many there are and how to run them."""
+    if torch.cuda.is_available() or "gpu" in config.option.markexpr:
+        return
+    gpu = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu:
+        return
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if item.get_closest_marker("gpu") is None]
+    _gpu_deselected.append(len(gpu))
+    if hasattr(config, "workeroutput"):  # an xdist worker: the controller prints the line
+        config.workeroutput["gpu_deselected"] = len(gpu)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist's controller, as each worker finishes
+    _gpu_deselected.append(getattr(node, "workeroutput", {}).get("gpu_deselected", 0))
+
+
+def gpu_note(count: int) -> str:
+    return f"{count} GPU tests deselected (no CUDA device here); on a GPU machine run them with {GPU_COMMAND}"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _gpu_deselected and max(_gpu_deselected) and not hasattr(config, "workeroutput"):
+        terminalreporter.write_line(gpu_note(max(_gpu_deselected)))
+
 
 @pytest.fixture(scope="session")
 def tokenizer():

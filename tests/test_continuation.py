@@ -38,7 +38,8 @@ def test_returned_past_key_values_in_a_plain_forward_fails_before_any_layer():
     calls = []
     handle = model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match="keeps its own cache"):
-        model(out.sequences, past_key_values=out.past_key_values)
+        # the model's own name for the cache (`cache` in newer transformers: past_key_values warns there)
+        model(out.sequences, **{hf_radix.get_engine(model).cache_kwarg: out.past_key_values})
     handle.remove()
     assert not calls
     assert OWN_CACHE_MESSAGE.startswith("cache_implementation='radix' keeps its own cache")

@@ -16,6 +16,7 @@ from transformers.utils import logging
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams, kv_pool
+from hf_radix.sampling import generate_new_tokens
 
 
 def _modules_with_logger():
@@ -70,7 +71,9 @@ def test_default_sized_pool_warns_how_much_memory_and_how_to_change_it(restore_v
     assert "max_total_tokens" in message and "mem_fraction" in message and "hf_radix.configure" in message
     assert _pool_messages(model, max_total_tokens=256) == ""  # sized by hand on CPU: INFO only
     transformers.logging.set_verbosity_info()
-    assert "(256 tokens, max_total_tokens=258)" in _pool_messages(model, max_total_tokens=258, page_size=4)
+    message = _pool_messages(model, max_total_tokens=258, page_size=4)
+    assert "(256 tokens, max_total_tokens=258)" in message
+    assert "260" not in message  # said once, without the scratch page (64 pages of 4 + 1)
 
 
 def test_pool_errors_count_the_tokens_asked_for(tokenizer):
@@ -88,7 +91,8 @@ def test_pool_errors_count_the_tokens_asked_for(tokenizer):
 # -- run() without sampling params follows model.generation_config, as generate does ---------------------
 def test_sampling_params_from_generation_config():
     config = transformers.GenerationConfig()
-    assert SamplingParams.from_generation_config(config) == SamplingParams()  # generate's default: greedy
+    # generate's defaults: greedy, 20 new tokens
+    assert SamplingParams.from_generation_config(config) == SamplingParams(max_new_tokens=20)
     config = transformers.GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9, max_new_tokens=5,
                                            stop_strings=["\n"])
     assert SamplingParams.from_generation_config(config) == SamplingParams(
@@ -100,6 +104,19 @@ def test_sampling_params_from_generation_config():
     assert SamplingParams.from_generation_config(config) == SamplingParams(max_new_tokens=3)
 
 
+def test_new_tokens_follow_generate_length_rules():
+    default, counted = transformers.GenerationConfig(), transformers.GenerationConfig(max_length=50)
+    assert generate_new_tokens(default) == generate_new_tokens(default, 100) == 20
+    assert generate_new_tokens(default, 100, max_positions=110) == 10  # within the model's positions
+    assert generate_new_tokens(counted, 30) == 20  # max_length counts the prompt
+    assert generate_new_tokens(transformers.GenerationConfig(max_length=50, max_new_tokens=7), 30) == 7
+    assert SamplingParams.from_generation_config(counted, prompt_len=45).max_new_tokens == 5
+    with pytest.raises(ValueError, match="max_length=50, which counts the prompt"):
+        generate_new_tokens(counted)
+    with pytest.raises(ValueError, match="the prompt has 50 tokens but generate's max_length is 50"):
+        generate_new_tokens(counted, 50)
+
+
 
 @pytest.mark.parametrize(
     "name,settings",
@@ -109,6 +126,30 @@ def test_sampling_params_from_generation_config():
 def test_generation_config_the_runner_cannot_honour_raises(name, settings):
     with pytest.raises(ValueError, match=f"sets {{'{name}'"):
         SamplingParams.from_generation_config(transformers.GenerationConfig(**settings))
+
+
+def test_run_without_sampling_params_generates_as_many_tokens_as_generate():
+    model = fresh_model("llama", seed=3)
+    model.generation_config.eos_token_id = None  # every answer runs to its length (the runner reads it now)
+    runner = RadixBatchRunner(model, attn_backend="torch", max_total_tokens=1024)
+    short, long = list(range(5, 25)), list(range(5, 45))
+
+    def plain(prompt: list[int]) -> list[int]:
+        with torch.inference_mode():
+            return model.generate(torch.tensor([prompt]), pad_token_id=0, eos_token_id=None,
+                                  do_sample=False)[0, len(prompt):].tolist()
+
+    with pytest.warns(UserWarning, match="default `max_length`"):
+        expected = plain(short)
+    assert len(expected) == 20 and runner.run([short])[0].token_ids == expected  # transformers' default
+    model.generation_config.max_length = 30  # counts the prompt: 10 new tokens after 20
+    expected = plain(short)
+    outs = runner.run([short, long])
+    assert len(expected) == 10 and outs[0].token_ids == expected
+    assert outs[1].finish_reason == "error" and "max_length is 30" in outs[1].error  # generate raises too
+    with pytest.raises(ValueError, match="`max_length` is set to 30"):
+        plain(long)
+    runner.check_integrity()
 
 
 def test_run_without_sampling_params_follows_generation_config():

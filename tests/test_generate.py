@@ -242,6 +242,9 @@ def test_few_shot_prefix_is_computed_once_and_cache_stats_show_it(gen):
     assert new["hit_rate"] == pytest.approx(80 / (46 + 45 + 47))
     assert new["generated_tokens"] == 3 * 4
     assert new["evicted_tokens"] == 0
+    # the time of the radix calls (not of the plain ones), and the throughput it gives
+    assert 0 < stats["wall_time"] < new["wall_time"]
+    assert new["tokens_per_s"] == pytest.approx(new["generated_tokens"] / new["wall_time"])
     _clean(model)
 
 

@@ -12,9 +12,10 @@ from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.forward_batch import StepRows
 from hf_radix.tiny import tiny_model
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 
 def _hf_greedy(model, prompt: list[int], new: int) -> list[int]:

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from hf_radix.kernels import triton_attention_common, triton_decode, triton_extend  # noqa: E402
+from hf_radix.kernels import FP_FUSION, triton_attention_common, triton_decode, triton_extend  # noqa: E402
 
 pytestmark = pytest.mark.slow  # kernels alone: no transformers version changes them
 
@@ -20,14 +20,15 @@ SM90 = backends.GPUTarget("cuda", 90, 32)
 
 
 def _compile(fn, pointers: dict[str, str], constexprs: dict, num_warps: int, num_stages: int,
-             aligned: tuple[str, ...] = ()):
+             aligned: tuple[str, ...] = (), fp_fusion: bool = FP_FUSION):
     """Compiles for sm_90; ``aligned`` arguments are multiples of 16 (as a launch finds pool strides)."""
     signature = {
         name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in fn.arg_names
     }
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
     source = compiler.ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(source, target=SM90, options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": fp_fusion}  # as launched
+    return triton.compile(source, target=SM90, options=options)
 
 
 @pytest.mark.parametrize(
@@ -93,6 +94,6 @@ def test_norm_and_rope_kernels_compile_for_sm90() -> None:
     )
     rope = _compile(
         fused._rope_kernel, {name: "*bf16" for name in ("Q", "K", "Cos", "Sin", "Q_out", "K_out")},
-        dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8), num_warps=4, num_stages=1,
+        dict(HALF=64, BLOCK_HQ=32, BLOCK_HK=8), num_warps=4, num_stages=1, fp_fusion=False,
     )
     assert norm.asm["cubin"] and rope.asm["cubin"]

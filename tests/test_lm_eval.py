@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -150,3 +152,34 @@ def test_bf16_error_no_larger_than_hf_backend():
     ours = np.abs(scores(HFRadixLM(pretrained=bf16, tokenizer=tokenizer, page_size=4)) - reference).mean()
     assert ours <= hf_fp32_softmax * 1.25  # here 0.0013 against 0.0016 nats
     assert ours < hf_default / 5  # 0.029: bf16 log-softmax rounding
+
+
+def test_help_says_how_to_use_hf_radix(capsys, monkeypatch):
+    from hf_radix.lm_eval_backend import main, model_args
+
+    monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "warning")  # main leaves hf_radix's log level alone
+    monkeypatch.setattr(sys, "argv", ["hf-radix-lm-eval"])
+    monkeypatch.setattr(model_args, "batch_size_is_cli_default", False)
+    for args in (["--help"], []):  # no arguments: the same help
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("hf-radix-lm-eval (or: python -m hf_radix.lm_eval_backend)")
+        assert "--model_args pretrained=" in out and "lm_eval --model hf-radix` does not work" in out
+        assert "page_size" in out and "usage: lm-eval" in out  # then lm-eval's own help
+
+
+@pytest.mark.parametrize(
+    "batch_size,max_batch_size,cli_default,noted",
+    [(None, None, False, False), (4, None, False, True), (None, 64, False, True),
+     (1, None, True, False),  # lm-eval's command line passes 1 when no --batch_size was given
+     (1, None, False, True), (8, None, True, True)],
+)
+def test_batch_size_note_only_when_the_user_set_one(
+    monkeypatch, batch_size, max_batch_size, cli_default: bool, noted: bool
+):
+    from hf_radix.lm_eval_backend import model_args
+
+    monkeypatch.setattr(model_args, "batch_size_is_cli_default", cli_default)
+    assert model_args.batch_size_set(batch_size, max_batch_size) is noted

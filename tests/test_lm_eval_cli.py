@@ -48,6 +48,8 @@ def test_console_command_runs_a_local_task(tmp_path):
                           timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "served from the prefix cache" in done.stderr  # the one-line reuse summary
+    assert "batch_size" not in done.stderr  # no note about a batch size nobody set
+    assert done.stderr.count("KV pool") == 1 and "(32,768 tokens" in done.stderr  # one line, the right size
     (result,) = (tmp_path / "out").rglob("results_*.json")
     results = json.loads(result.read_text())
     assert results["config"]["model"] == "hf-radix"  # --model defaults to hf-radix

@@ -200,6 +200,7 @@ def test_interrupt_leaves_engine_usable(monkeypatch):
 def test_string_prompts_and_stats(tokenizer):
     runner = RadixBatchRunner(_model("llama"), tokenizer, attn_backend="torch", max_total_tokens=2048)
     runner.reset_cache()
+    engine_time = runner.engine.stats.wall_time  # the model's engine may have served other tests
     system = "You are a helpful assistant. Answer briefly and precisely. "
     prompts = (system + q for q in ["Question: one?", "Question: two?", "Question: three?"])
     outs = runner.run(prompts, SamplingParams(max_new_tokens=4, ignore_eos=True))
@@ -208,6 +209,8 @@ def test_string_prompts_and_stats(tokenizer):
     assert stats.prompt_tokens == sum(len(o.prompt_token_ids) for o in outs)
     assert stats.cached_tokens > 0 and 0 < stats.hit_rate < 1
     assert stats.generated_tokens == 12 and stats.wall_time > 0 and stats.tokens_per_s > 0
+    engine = hf_radix.cache_stats(runner.model)  # the engine's statistics time its radix calls too
+    assert engine["wall_time"] - engine_time == pytest.approx(stats.wall_time) and engine["tokens_per_s"] > 0
     runner.check_integrity()
 
 

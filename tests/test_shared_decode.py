@@ -306,7 +306,10 @@ CHECKS = {
 }
 
 
-test_triton_interpreter = interpreter_test(__file__, CHECKS)
+# Slow (once, on the newest transformers): the longest check of the suite on 2 cores. Which transformers
+# runs the model does not change the kernels or the plans; the torch-backend tests cover the runner and
+# generate on every transformers version.
+test_triton_interpreter = pytest.mark.slow(interpreter_test(__file__, CHECKS))
 
 
 if __name__ == "__main__" and "--interp" in sys.argv:

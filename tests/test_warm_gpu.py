@@ -15,9 +15,10 @@ from hf_radix.host_tier import HostTier
 from hf_radix.kv_pool import KVPool, KVShape
 from hf_radix.tiny import tiny_model
 
-pytestmark = pytest.mark.gpu
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 GREEDY = SamplingParams(max_new_tokens=8)
 

@@ -23,7 +23,12 @@ _EXPORTS = {
     "build_store_kernel": "store",
 }
 
-__all__ = [*_EXPORTS, "interpreting", "triton_runs_on"]
+__all__ = [*_EXPORTS, "FP_FUSION", "interpreting", "triton_runs_on"]
+
+# Every Triton launch passes `enable_fp_fusion` (Triton 3.9 warns when it is unset; 3.10 changes its default):
+# fused multiply-adds on, as the kernels were validated, except in kernels that must round as torch does
+# (sampling's Gumbel-max, the rotary embedding), which pass False.
+FP_FUSION = True
 
 
 def interpreting() -> bool:

@@ -16,6 +16,8 @@ import triton.language as tl
 from transformers.utils import logging
 from triton.runtime.errors import OutOfResources
 
+from . import FP_FUSION
+
 logger = logging.get_logger(__name__)
 
 _LOG2E = 1.4426950408889634
@@ -272,13 +274,13 @@ def _launch(kind: str, kernel: Any, grid: Any, cfg: dict[str, int], safe: dict[s
     key = (kind, head_dim, str(dtype))
     if key not in _too_big:
         try:
-            kernel[grid](*args, **kwargs, **cfg)
+            kernel[grid](*args, **kwargs, **{"enable_fp_fusion": FP_FUSION, **cfg})
             return
         except OutOfResources as exc:
             logger.warning("%s kernel config %s does not fit this device (%s); using %s", kind, cfg, exc,
                            safe)
             _too_big.add(key)
-    kernel[grid](*args, **kwargs, **safe)
+    kernel[grid](*args, **kwargs, **{"enable_fp_fusion": FP_FUSION, **safe})
 
 
 def _check_common(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
@@ -364,6 +366,6 @@ def _merge_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor,
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d, BLOCK_S=max(MERGE_MIN_BLOCK_S, triton.next_power_of_2(num_splits)),
         BLOCK_H=block_h, HAS_SINKS=has_sinks,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=FP_FUSION,
     )
 

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import FP_FUSION
+
 
 @triton.jit
 def _rms_norm_kernel(X, W, Out, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
@@ -35,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = triton.next_power_of_2(n)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, weight, out.view(-1, n), rows.stride(0), n, n, eps, BLOCK=block,
-            num_warps=max(1, min(16, block // 256)),
+            num_warps=max(1, min(16, block // 256)), enable_fp_fusion=FP_FUSION,
         )
     return out
 

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import FP_FUSION
+
 # Keep in step with hf_radix.sampling (mix32, column and row keys, uniform from the top 24 bits).
 _MIX_0 = tl.constexpr(0x21F0AAAD)
 _MIX_1 = tl.constexpr(0x735A2D97)
@@ -351,18 +353,20 @@ def sample_rows_and_floors(
     searches = dict(sizes, CHUNKS=triton.next_power_of_2(n_chunks), DIGIT_BITS=digit_bits)
     warps = min(num_warps, max(1, block // 64))
     row_args = (logits, logits.stride(0), vocab, inv_temperature)
-    _block_max_kernel[grid](*row_args, block_key, chunk_max, n_blocks, n_chunks, **sizes, num_warps=warps)
+    _block_max_kernel[grid](*row_args, block_key, chunk_max, n_blocks, n_chunks, **sizes, num_warps=warps,
+                            enable_fp_fusion=FP_FUSION)
     # Top-p's first launch (step `levels`) always runs: it records top-k's floor, which Gumbel-max reads.
     top_k_steps = range(levels) if top_k_rows else ()
     top_p_steps = range(levels + 1, 2 * levels) if top_p_rows else ()
     for step in (*top_k_steps, levels, *top_p_steps):
         _digit_kernel[grid](*row_args, top_k, top_p, block_key, chunk_max, partials, state, goal, n_blocks,
-                            n_chunks, step, MASS=step >= levels, **searches, num_warps=warps)
+                            n_chunks, step, MASS=step >= levels, **searches, num_warps=warps,
+                            enable_fp_fusion=FP_FUSION)
     _gumbel_max_kernel[grid](
         *row_args, top_p, seed_keys[0], seed_keys[1], steps, block_key, chunk_max, partials, state, goal,
         best_value, best_index, n_blocks, n_chunks, 2 * levels, **searches, num_warps=warps,
         enable_fp_fusion=False,  # x * scale + g rounded twice, as torch rounds it
     )
     _pick_kernel[(rows,)](inv_temperature, steps, best_value, best_index, out, n_chunks,
-                          CHUNKS=triton.next_power_of_2(n_chunks))
+                          CHUNKS=triton.next_power_of_2(n_chunks), enable_fp_fusion=FP_FUSION)
     return out, state[:, _FLOOR.value]

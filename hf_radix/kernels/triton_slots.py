@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import FP_FUSION
+
 BLOCK = 1024  # entries a program copies
 
 
@@ -33,5 +35,7 @@ def gather_runs(
     returns it."""
     runs = bases.shape[0]
     if runs > 0 and longest > 0:
-        _gather_runs_kernel[(runs, triton.cdiv(longest, BLOCK))](flat_slots, bases, indptr, out, BLOCK=BLOCK)
+        _gather_runs_kernel[(runs, triton.cdiv(longest, BLOCK))](
+            flat_slots, bases, indptr, out, BLOCK=BLOCK, enable_fp_fusion=FP_FUSION
+        )
     return out

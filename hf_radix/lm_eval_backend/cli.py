@@ -8,6 +8,25 @@ import sys
 
 import torch
 
+HELP = """\
+hf-radix-lm-eval (or: python -m hf_radix.lm_eval_backend): lm-eval's own command line with the hf-radix
+model registered and `--model hf-radix` the default; every lm-eval option works as in `lm-eval run`.
+
+  hf-radix-lm-eval --model_args pretrained=meta-llama/Llama-3.1-8B,dtype=bfloat16 \\
+      --tasks mmlu --num_fewshot 5 --output_path results/
+  python -m hf_radix.lm_eval_backend --model_args pretrained=<dir or hub id>,page_size=16 --tasks hellaswag
+
+--model_args takes hf's model_args and hf-radix's own: page_size, max_total_tokens, mem_fraction,
+chunked_prefill_size, max_running_requests, schedule_policy, attn_backend, cuda_graph, max_gen_toks.
+--batch_size is not needed (requests are scheduled by tokens). Without --device: CUDA when there is one,
+else the CPU. Plain `lm_eval --model hf-radix` does not work: lm-eval reads no plugins, so nothing
+registers the model. More: docs/lm_eval.md in the hf_radix repository.
+
+lm-eval's own help follows.
+"""
+
+_BATCH_FLAGS = ("--batch_size", "-b", "--max_batch_size")
+
 
 def _has(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
@@ -21,12 +40,17 @@ def main(argv: list[str] | None = None) -> None:
     would pass cuda:0, which hf-radix refuses on a machine without CUDA). hf-radix's notes, the prefix-reuse
     summary among them, are logged at INFO on stderr.
     """
+    args = list(sys.argv[1:] if argv is None else argv) or ["--help"]
+    if "-h" in args or "--help" in args:
+        print(HELP, flush=True)  # first: lm-eval's help takes seconds to import
+
     from lm_eval.__main__ import cli_evaluate
 
-    from . import model  # noqa: F401  (registers "hf-radix")
+    from . import model, model_args  # noqa: F401  (importing model registers "hf-radix")
 
-    args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] not in ("ls", "validate", "-h", "--help"):
+    # lm-eval passes batch_size=1 when none was given: no note that an unset batch size is ignored
+    model_args.batch_size_is_cli_default = not any(_has(args, flag) for flag in _BATCH_FLAGS)
+    if args[0] not in ("ls", "validate", "-h", "--help"):
         start = 1 if args[:1] == ["run"] else 0
         if not _has(args, "--model"):
             args[start:start] = ["--model", "hf-radix"]

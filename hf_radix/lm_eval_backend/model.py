@@ -117,7 +117,7 @@ class HFRadixLM(TemplateLM):
             raise ValueError(
                 f"hf-radix: backend={backend!r}: only decoder-only (causal) models are supported"
             )
-        if batch_size is not None or max_batch_size is not None:
+        if model_args.batch_size_set(batch_size, max_batch_size):
             logger.info_once(f"hf-radix: {model_args.BATCH_NOTE}")
         if enable_thinking and think_end_token is None:
             raise ValueError("hf-radix: enable_thinking=True needs think_end_token (as lm-eval's hf backend)")

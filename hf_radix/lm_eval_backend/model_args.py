@@ -39,6 +39,16 @@ BATCH_NOTE = (
     "batch_size/max_batch_size are not needed: hf-radix schedules requests by tokens "
     "(chunked_prefill_size, max_running_requests), so they are ignored"
 )
+# Set by the command line (cli.main) when it got no --batch_size / --max_batch_size: lm-eval's CLI then
+# passes its own default, batch_size=1, which the user never set.
+batch_size_is_cli_default = False
+
+
+def batch_size_set(batch_size, max_batch_size) -> bool:
+    """Whether the user set batch_size or max_batch_size (lm-eval's CLI default of 1 is not the user's)."""
+    if max_batch_size is not None:
+        return True
+    return batch_size is not None and not (batch_size_is_cli_default and str(batch_size) == "1")
 
 
 def check_unknown(kwargs: dict, supported: list[str]) -> None:
