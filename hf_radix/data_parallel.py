@@ -115,7 +115,13 @@ class DataParallelRunner:
         """
         check_error_mode(errors)
         token_lists = self.local._tokenize(prompts)
-        params = self.local._params_per_prompt(sampling_params, len(token_lists))
+        no_room: dict[int, str] = {}
+        params = self.local._params_per_prompt(
+            sampling_params, len(token_lists), [len(t) for t in token_lists], failures=no_room
+        )
+        if no_room:  # every rank decides the same: the call is refused as a whole
+            raise ValueError(f"DataParallelRunner: {len(no_room)} prompts leave no room to generate; first: "
+                             f"{next(iter(no_room.values()))}")
         if not token_lists:
             return []
         mine = self._route(token_lists, [p.max_new_tokens for p in params])
