@@ -13,6 +13,7 @@ from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
 from .errors import RequestError, TrainingModeError, UnsupportedModelError
 from .generate_hook import register_generate_support
+from .options import EngineOptions
 from .radix_tree import IntegrityError
 from .request import RequestOutput
 from .runner import RadixBatchRunner
@@ -22,6 +23,7 @@ from .stats import RadixStats
 __all__ = [
     "CacheFileError",
     "DataParallelRunner",
+    "EngineOptions",
     "IntegrityError",
     "RadixBatchRunner",
     "RadixCache",

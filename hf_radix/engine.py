@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from transformers.utils import logging
@@ -22,6 +22,7 @@ from .host_tier import HostTier, host_tier_tokens
 from .kv_pool import KVPool
 from .model_runner import ModelRunner, graph_memory_bytes
 from .model_state import ModelState
+from .options import EngineOptions
 from .placement import (
     PlacedKVPool,
     hidden_output_device,
@@ -30,47 +31,12 @@ from .placement import (
     pool_devices,
     require_one_device,
 )
-from .prefix_groups import MODES
 from .stats import RadixStats
 from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.get_logger(__name__)
 
 _ENGINE_ATTR = "_hf_radix_engine"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """Pool and backend options; fixed for the life of an engine.
-
-    A pool sized from free GPU memory (no `max_total_tokens`) takes `mem_fraction` of what is free after an
-    estimate of what the engine's CUDA graphs will take (`model_runner.graph_memory_bytes`), since they are
-    captured after the pool exists.
-    """
-
-    page_size: int = 1
-    max_total_tokens: int | None = None
-    mem_fraction: float = 0.85
-    attn_backend: str = "auto"
-    store_backend: str = "auto"
-    cuda_graph: bool = True  # replay captured graphs for decode steps and short prefills (CUDA, Triton)
-    cuda_graph_max_batch: int = 256  # decode graphs up to this many rows (a runner asking more grows them)
-    fused_ops: bool = True  # Llama-style norms and rotary embeddings as single Triton kernels (CUDA)
-    warm_up: bool = True  # the first radix generate captures every graph and compiles kernels (else lazily)
-    shared_prefix: bool = True  # decode reads a prefix shared by rows once per group (Triton, cost rule)
-    # its launch order (equal results; `kernels.triton_shared_prefix.MODES`): "overlap" runs the prefix
-    # launch beside the suffix launch, then merges; "fold" runs them one after the other
-    shared_prefix_mode: str = "overlap"
-    host_cache_tokens: int | None = None  # host-memory tier for evicted pages (None or 0: off, the default)
-    host_cache_gb: float | None = None  # or its size in GB
-
-    def __post_init__(self):
-        if not isinstance(self.page_size, int) or self.page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
-        if self.cuda_graph_max_batch < 1:
-            raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
-        if self.shared_prefix_mode not in MODES:
-            raise ValueError(f"shared_prefix_mode must be one of {MODES}, got {self.shared_prefix_mode!r}")
 
 
 class RadixEngine:
@@ -389,5 +355,9 @@ def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
 
 
 def configure(model: torch.nn.Module, **options) -> RadixEngine:
-    """Sets the model's pool and backend options (before first use, or when idle); returns its engine."""
+    """Sets the model's pool and backend options (before first use, or when idle); returns its engine.
+
+    `options` are `EngineOptions` fields (docs/options.md); another name raises TypeError listing them.
+    """
+    EngineOptions.check_names(options)
     return get_engine(model, **options)

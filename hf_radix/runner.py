@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 from collections.abc import Iterable, Sequence
 
@@ -13,6 +14,7 @@ from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
 from .evaluation import loglikelihood_rolling
 from .model_runner import ModelRunner
+from .options import EngineOptions
 from .request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
 from .sampling import SamplingParams, generate_new_tokens
 from .scheduler import Scheduler
@@ -27,39 +29,31 @@ class RadixBatchRunner:
     >>> runner = RadixBatchRunner(model, tokenizer)
     >>> outs = runner.run(prompts, SamplingParams(max_new_tokens=64))
 
-    Pool options left at None keep the model's engine (shared with `generate`) as configured, or take the
-    defaults page_size=1, mem_fraction=0.85, attn_backend="auto"; options that differ rebuild an idle engine.
-    `cuda_graph` replays captured graphs (CUDA, Triton attention) and `warm_up` captures them and compiles
-    the kernels here, before the first run; `overlap` schedules step n+1 while the GPU runs step n;
-    `profile` records GPU time per decode step (`step_times`). `host_cache_tokens` / `host_cache_gb` keep
-    evicted prefixes in a host-memory tier. `shared_prefix=False` turns off reading a prefix shared by
-    decoding rows once per group (an engine option, on by default with Triton attention).
+    `engine_options` are the model's engine options (`EngineOptions`, listed in docs/options.md): left out
+    or None, they keep the engine (shared with `generate`) as configured, or take their defaults; options
+    that differ rebuild an idle engine. `cuda_graph` and `warm_up` apply to this runner only: False runs it
+    eagerly on a core of its own, or captures its graphs and compiles its kernels on first use instead of
+    here. The scheduler's own options: `max_running_requests`, `chunked_prefill_size`, `schedule_policy`;
+    `overlap` schedules step n+1 while the GPU runs step n; `profile` records GPU time per decode step
+    (`step_times`).
     """
 
     def __init__(
         self,
         model,
         tokenizer=None,
-        page_size: int | None = None,
-        max_total_tokens: int | None = None,
-        mem_fraction: float | None = None,
+        *,
         max_running_requests: int = 256,
         chunked_prefill_size: int = 8192,
         schedule_policy: str = "lpm",
-        attn_backend: str | None = None,
-        cuda_graph: bool = True,
         overlap: bool = True,
-        warm_up: bool = True,
         profile: bool = False,
-        host_cache_tokens: int | None = None,
-        host_cache_gb: float | None = None,
-        shared_prefix: bool | None = None,
+        cuda_graph: bool = True,
+        warm_up: bool = True,
+        **engine_options,
     ):
-        options = dict(
-            page_size=page_size, max_total_tokens=max_total_tokens, mem_fraction=mem_fraction,
-            attn_backend=attn_backend, host_cache_tokens=host_cache_tokens, host_cache_gb=host_cache_gb,
-            shared_prefix=shared_prefix,
-        )
+        own = [name for name in inspect.signature(RadixBatchRunner).parameters][1:-1]  # but model, **options
+        EngineOptions.check_names(engine_options, "RadixBatchRunner", own)  # unknown names: a TypeError
         self.model = model
         self.tokenizer = tokenizer
         self.stats = RadixStats()
@@ -72,7 +66,7 @@ class RadixBatchRunner:
             max_running_requests=max_running_requests, chunked_prefill_size=chunked_prefill_size,
             schedule_policy=schedule_policy, overlap=overlap, profile=profile,
         )
-        self._bind(get_engine(model, **{k: v for k, v in options.items() if v is not None}))
+        self._bind(get_engine(model, **{k: v for k, v in engine_options.items() if v is not None}))
 
     def _bind(self, engine: RadixEngine) -> None:
         """Uses `engine`: its model-runner core (graphs sized for this runner), a scheduler, the warm-up."""

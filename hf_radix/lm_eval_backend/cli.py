@@ -8,6 +8,8 @@ import sys
 
 import torch
 
+from ..options import EngineOptions
+
 HELP = """\
 hf-radix-lm-eval (or: python -m hf_radix.lm_eval_backend): lm-eval's own command line with the hf-radix
 model registered and `--model hf-radix` the default; every lm-eval option works as in `lm-eval run`.
@@ -16,14 +18,14 @@ model registered and `--model hf-radix` the default; every lm-eval option works 
       --tasks mmlu --num_fewshot 5 --output_path results/
   python -m hf_radix.lm_eval_backend --model_args pretrained=<dir or hub id>,page_size=16 --tasks hellaswag
 
---model_args takes hf's model_args and hf-radix's own: page_size, max_total_tokens, mem_fraction,
-chunked_prefill_size, max_running_requests, schedule_policy, attn_backend, cuda_graph, max_gen_toks.
+--model_args takes hf's model_args and hf-radix's own: chunked_prefill_size, max_running_requests,
+schedule_policy, max_gen_toks, and the engine options (docs/options.md): {engine_options}.
 --batch_size is not needed (requests are scheduled by tokens). Without --device: CUDA when there is one,
 else the CPU. Plain `lm_eval --model hf-radix` does not work: lm-eval reads no plugins, so nothing
 registers the model. More: docs/lm_eval.md in the hf_radix repository.
 
 lm-eval's own help follows.
-"""
+""".format(engine_options=", ".join(EngineOptions.names()))
 
 _BATCH_FLAGS = ("--batch_size", "-b", "--max_batch_size")
 

@@ -26,24 +26,16 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from ..evaluation import loglikelihood_rolling
+from ..options import EngineOptions
 from ..runner import RadixBatchRunner
 from . import generate, model_args
 from .model_info import ReuseCounter, model_info
 
 logger = logging.get_logger(__name__)
 
-# model_args of hf-radix itself (the runner's), beyond the `hf` ones in the signature
-RUNNER_ARGS = [
-    "page_size",
-    "max_total_tokens",
-    "mem_fraction",
-    "chunked_prefill_size",
-    "max_running_requests",
-    "schedule_policy",
-    "attn_backend",
-    "cuda_graph",
-    "max_gen_toks",
-]
+# model_args of hf-radix itself beyond the `hf` ones in the signature: the scheduler's, and every engine
+# option (`EngineOptions` fields, docs/options.md; `cuda_graph` and `warm_up` as RadixBatchRunner takes them)
+RUNNER_ARGS = ["chunked_prefill_size", "max_running_requests", "schedule_policy", "max_gen_toks"]
 HF_ARGS = [
     "pretrained",
     "tokenizer",
@@ -72,10 +64,11 @@ HF_ARGS = [
 class HFRadixLM(TemplateLM):
     """lm-eval model backed by a RadixBatchRunner (radix prefix reuse, continuous batching).
 
-    Takes `hf`'s model_args (see docs/lm_eval.md for which are no-ops and which are refused) and the runner's
-    (`page_size`, `max_total_tokens`, `mem_fraction`, `chunked_prefill_size`, `max_running_requests`,
-    `schedule_policy`, `attn_backend`, `cuda_graph`). `pretrained` is a hub id or path, or a causal LM
-    object; `tokenizer` likewise (default: the one of `pretrained`).
+    Takes `hf`'s model_args (see docs/lm_eval.md for which are no-ops and which are refused), the runner's
+    (`chunked_prefill_size`, `max_running_requests`, `schedule_policy`) and every engine option
+    (`EngineOptions`, docs/options.md; strings converted to its types; left out: the engine as configured).
+    `pretrained` is a hub id or path, or a causal LM object; `tokenizer` likewise (default: the one of
+    `pretrained`).
     """
 
     def __init__(
@@ -101,18 +94,14 @@ class HFRadixLM(TemplateLM):
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
         max_gen_toks: int = 256,
-        page_size: int = 1,
-        max_total_tokens: int | None = None,
-        mem_fraction: float = 0.85,
         chunked_prefill_size: int = 8192,
         max_running_requests: int = 256,
         schedule_policy: str = "lpm",
-        attn_backend: str = "auto",
-        cuda_graph: bool = True,
         **kwargs,
     ):
         super().__init__()
-        model_args.check_unknown(kwargs, HF_ARGS + RUNNER_ARGS)
+        engine_options = model_args.engine_options(kwargs)  # taken out of kwargs
+        model_args.check_unknown(kwargs, HF_ARGS + RUNNER_ARGS + list(EngineOptions.names()))
         if backend not in ("default", "causal"):
             raise ValueError(
                 f"hf-radix: backend={backend!r}: only decoder-only (causal) models are supported"
@@ -140,14 +129,10 @@ class HFRadixLM(TemplateLM):
         self.runner = RadixBatchRunner(
             model,
             tokenizer,
-            page_size=page_size,
-            max_total_tokens=max_total_tokens,
-            mem_fraction=mem_fraction,
             max_running_requests=max_running_requests,
             chunked_prefill_size=chunked_prefill_size,
             schedule_policy=schedule_policy,
-            attn_backend=attn_backend,
-            cuda_graph=cuda_graph,
+            **engine_options,
         )
         engine = self.runner.engine
         # like hf, a max_length above max_position_embeddings runs (check_positions allowed it)

@@ -12,6 +12,8 @@ import torch
 import transformers
 from transformers.utils import logging
 
+from ..options import EngineOptions
+
 logger = logging.get_logger(__name__)
 
 # hf's model_args that hf-radix does not take yet, and why.
@@ -49,6 +51,14 @@ def batch_size_set(batch_size, max_batch_size) -> bool:
     if max_batch_size is not None:
         return True
     return batch_size is not None and not (batch_size_is_cli_default and str(batch_size) == "1")
+
+
+def engine_options(kwargs: dict) -> dict:
+    """Takes the engine options (`EngineOptions` fields) out of `kwargs`, each in its field's type (a
+    command-line string such as '16', 'false' or 'none' converted); unset (None) ones are left out."""
+    names = [name for name in EngineOptions.names() if name in kwargs]
+    options = {name: EngineOptions.convert(name, kwargs.pop(name)) for name in names}
+    return {name: value for name, value in options.items() if value is not None}
 
 
 def check_unknown(kwargs: dict, supported: list[str]) -> None:
