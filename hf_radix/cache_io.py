@@ -57,6 +57,7 @@ def _layout(engine: RadixEngine) -> dict[str, str]:
         "num_layers": str(shape.num_layers),
         "num_kv_heads": str(shape.num_kv_heads),
         "head_dim": str(shape.head_dim),
+        "namespace": engine.state.namespace_label(),  # the adapter set the prefixes were computed with
     }
 
 
@@ -110,7 +111,6 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "format_version": str(FORMAT_VERSION),
         **_layout(engine),
         **model_fingerprint(engine.model, engine.state.inactive_adapter_tensors()),
-        "namespace": engine.state.namespace_label(),
         "model_class": type(engine.model).__name__,
         "num_tokens": str(len(slots)),
         "num_nodes": str(len(nodes)),
@@ -295,17 +295,12 @@ def _check_metadata(engine: RadixEngine, metadata: dict[str, str], path) -> None
             f"{path} has format version {metadata.get('format_version')}; this hf_radix reads "
             f"version {FORMAT_VERSION}"
         )
+    metadata = {"namespace": "base model", **metadata}  # files from before adapter namespaces
     for key, ours in _layout(engine).items():
         if metadata.get(key) != ours:
             raise CacheFileError(
                 f"{path} was saved with {key}={metadata.get(key)}; this engine has {key}={ours}"
             )
-    namespace = engine.state.namespace_label()
-    if metadata.get("namespace", "base model") != namespace:
-        raise CacheFileError(
-            f"{path} holds prefixes computed with adapters {metadata.get('namespace')}; the model now runs "
-            f"{namespace}: activate the same adapters (set_adapter) before loading it"
-        )
     fingerprint = model_fingerprint(engine.model, engine.state.inactive_adapter_tensors())
     if metadata.get("config_digest") != fingerprint["config_digest"]:
         raise CacheFileError(

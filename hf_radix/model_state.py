@@ -191,7 +191,7 @@ class ModelState:
     def namespace_label(self) -> str:
         """The current namespace in words, for cache files: the active adapters and their scaling."""
         namespace = self._read_namespace()
-        return "base model" if namespace == BASE_NAMESPACE else json.dumps(namespace)
+        return "base model" if namespace == BASE_NAMESPACE else f"adapters {json.dumps(namespace)}"
 
     def inactive_adapter_tensors(self) -> set[int]:
         """Ids of the adapter tensors that the current namespace does not run (left out of its digest)."""
