@@ -167,6 +167,13 @@ def _radix_generate(original, model, kwargs: dict):
     config = _effective_config(model, kwargs)
     _check_supported(model, config, kwargs)
     engine = get_engine(model)
+    dropout = engine.state.active_dropout()
+    if dropout is not None:  # random K/V: nothing to reuse, and plain generate is what the user expects
+        logger.warning_once(
+            f"hf_radix: the model is in training mode with active dropout ({dropout}); "
+            "generate(cache_implementation='radix') runs plain generate without the prefix cache"
+        )
+        return original(model, **{**kwargs, "cache_implementation": "dynamic"})
     cache = RadixGenerateCache(
         engine,
         token_id_list(config.eos_token_id),
@@ -229,13 +236,6 @@ def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
             kwargs["cache_implementation"] = CACHE_IMPLEMENTATION
     if _requested_cache_implementation(model, args, kwargs) != CACHE_IMPLEMENTATION:
         return original(model, *args, **kwargs)
-    dropout = get_engine(model).state.active_dropout()
-    if dropout is not None:  # random K/V: nothing to reuse, and plain generate is what the user expects
-        logger.warning_once(
-            f"hf_radix: the model is in training mode with active dropout ({dropout}); "
-            "generate(cache_implementation='radix') runs plain generate without the prefix cache"
-        )
-        return original(model, *args, **{**kwargs, "cache_implementation": "dynamic"})
     return _radix_generate(original, model, _as_keywords(original, args, kwargs))
 
 

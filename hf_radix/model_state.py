@@ -179,8 +179,6 @@ class ModelState:
 
     def active_dropout(self) -> str | None:
         """The first module that would drop activations now (the model is training), or None."""
-        if not self.model.training and not any(m.training for _, m in self._dropouts):
-            return None
         return next((name for name, m in self._dropouts if m.training), None)
 
     @property
