@@ -37,8 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_radix import RadixBatchRunner, SamplingParams, forward_batch  # noqa: E402
-from hf_radix.cuda_graph import DecodeGraphs  # noqa: E402
+from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
+from hf_radix.forward.cuda_graph import DecodeGraphs  # noqa: E402
+from hf_radix.paged_attention import forward_batch
 from hf_radix.tiny import tiny_model  # noqa: E402
 
 VOCAB = 1024

@@ -43,8 +43,8 @@ from common import LLAMA_8B, build_llama  # noqa: E402
 from gsp import make_prompts, run_hf  # noqa: E402
 
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
-from hf_radix.data_parallel import DataParallelRunner  # noqa: E402
-from hf_radix.distributed import all_gather_json  # noqa: E402
+from hf_radix.integrations.data_parallel import DataParallelRunner  # noqa: E402
+from hf_radix.integrations.distributed import all_gather_json  # noqa: E402
 from hf_radix.tiny import tiny_config  # noqa: E402
 
 LLAMA_70B = {  # Llama-3.1-70B: the 8B shape's vocabulary, rope and heads of 128, wider and deeper

@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import build_llama  # noqa: E402
 from gsp import make_prompts, run_radix, step_summary  # noqa: E402
 
-import hf_radix.cache_manager  # noqa: E402
-import hf_radix.cuda_graph  # noqa: E402
-import hf_radix.sampling  # noqa: E402
+import hf_radix.forward.cuda_graph  # noqa: E402
+import hf_radix.forward.staging  # noqa: E402
+import hf_radix.memory.cache_manager  # noqa: E402
 import hf_radix.scheduler  # noqa: E402
-import hf_radix.staging  # noqa: E402
+import hf_radix.scheduling.sampling  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
 
 replay_ms: list[tuple[int, float]] = []
@@ -39,12 +39,12 @@ PARTS = [
     (hf_radix.scheduler.Scheduler, "_complete"),
     (hf_radix.scheduler.Scheduler, "_advance"),
     (hf_radix.scheduler.Scheduler, "_step_rows"),
-    (hf_radix.cache_manager.CacheManager, "allocate"),
-    (hf_radix.cuda_graph.DecodeGraphs, "run"),
-    (hf_radix.cuda_graph, "load_graph_inputs"),
-    (hf_radix.sampling.Sampler, "sample"),
+    (hf_radix.memory.cache_manager.CacheManager, "allocate"),
+    (hf_radix.forward.cuda_graph.DecodeGraphs, "run"),
+    (hf_radix.forward.cuda_graph, "load_graph_inputs"),
+    (hf_radix.scheduling.sampling.Sampler, "sample"),
     (hf_radix.scheduler, "copy_to_host"),
-    (hf_radix.staging.HostStaging, "upload"),
+    (hf_radix.forward.staging.HostStaging, "upload"),
     (torch.cuda.Event, "synchronize"),
     (torch.cuda.Event, "record"),
 ]

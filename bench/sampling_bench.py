@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import write_result  # noqa: E402
 
 from hf_radix.kernels.triton_sampling import sample_rows  # noqa: E402
-from hf_radix.sampling import Sampler, SamplingParams, sample_rows_torch  # noqa: E402
+from hf_radix.scheduling.sampling import Sampler, SamplingParams, sample_rows_torch  # noqa: E402
 
 
 def _time_ms(fn, steps: int) -> float:

@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import cpu_machine, write_result  # noqa: E402
 
-from hf_radix import schedule_policy  # noqa: E402
 from hf_radix import scheduler as scheduler_module  # noqa: E402
-from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
-from hf_radix.request import Req  # noqa: E402
-from hf_radix.sampling import SamplingParams  # noqa: E402
-from hf_radix.schedule_policy import PrefixAwareQueue  # noqa: E402
+from hf_radix.memory.radix_tree import RadixPrefixCache  # noqa: E402
+from hf_radix.scheduling import schedule_policy  # noqa: E402
+from hf_radix.scheduling.request import Req  # noqa: E402
+from hf_radix.scheduling.sampling import SamplingParams  # noqa: E402
+from hf_radix.scheduling.schedule_policy import PrefixAwareQueue  # noqa: E402
 
 
 def run(prompts: int, groups: int, prefix_len: int, suffix_len: int, zero_reuse: int, seed: int) -> dict:

@@ -40,8 +40,12 @@ from hf_radix.engine import EngineOptions  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
 from hf_radix.kernels import triton_attention_common as tac  # noqa: E402
 from hf_radix.kernels import triton_shared_prefix as sp  # noqa: E402
-from hf_radix.prefix_groups import SharedPrefixBuffers, SharedPrefixCost, build_shared_prefix_plan  # noqa: E402
-from hf_radix.shared_decode import most_prefix_splits, prefix_splits  # noqa: E402
+from hf_radix.paged_attention.prefix_groups import (  # noqa: E402
+    SharedPrefixBuffers,
+    SharedPrefixCost,
+    build_shared_prefix_plan,
+)
+from hf_radix.paged_attention.shared_decode import most_prefix_splits, prefix_splits  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, measured device-to-device copy rate on the H200 here
 HQ, HKV, D = 32, 8, 128

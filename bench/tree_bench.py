@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import cpu_machine, write_result  # noqa: E402
 
-from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
+from hf_radix.memory.radix_tree import RadixPrefixCache  # noqa: E402
 
 
 def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: int, vocab: int,

@@ -5,19 +5,19 @@ Importing the package registers the "radix" attention and `cache_implementation=
 
 from transformers.utils import logging as _logging
 
-from . import cache_io as _cache_io
 from .attention import register as _register_attention
-from .cache_io import CacheFileError
 from .cache_utils import RadixCache
-from .data_parallel import DataParallelRunner
 from .engine import RadixEngine, configure, get_engine
 from .errors import RequestError, TrainingModeError, UnsupportedModelError
-from .generate_hook import register_generate_support
+from .integrations.data_parallel import DataParallelRunner
+from .integrations.generate_hook import register_generate_support
+from .memory import cache_io as _cache_io
+from .memory.cache_io import CacheFileError
+from .memory.radix_tree import IntegrityError
 from .options import EngineOptions
-from .radix_tree import IntegrityError
-from .request import RequestOutput
 from .runner import RadixBatchRunner
-from .sampling import SamplingParams
+from .scheduling.request import RequestOutput
+from .scheduling.sampling import SamplingParams
 from .stats import RadixStats
 
 __all__ = [

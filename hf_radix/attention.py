@@ -10,10 +10,10 @@ from transformers.utils import logging
 
 from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
 from .errors import UnsupportedModelError
-from .forward_batch import ForwardBatch
-from .forward_context import ATTENTION_NAME, current_forward
-from .latent import expanded_attention_inputs
-from .placement import layer_device
+from .forward.forward_context import ATTENTION_NAME, current_forward
+from .memory.placement import layer_device
+from .paged_attention.forward_batch import ForwardBatch
+from .paged_attention.latent import expanded_attention_inputs
 
 logger = logging.get_logger(__name__)
 
@@ -84,7 +84,7 @@ class TorchBackend:
 
 class TritonBackend:
     """Triton paged kernels: split-KV decode for all-decode batches, paged extend otherwise; decode batches
-    with a `shared_prefix` plan read each group's prefix once (`hf_radix.shared_decode`)."""
+    with a `shared_prefix` plan read each group's prefix once (`hf_radix.paged_attention.shared_decode`)."""
 
     name = "triton"
 

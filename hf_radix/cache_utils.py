@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import Cache
 
-from .forward_batch import ForwardBatch
-from .latent import context_latents
-from .placement import batch_to
+from .memory.placement import batch_to
+from .paged_attention.forward_batch import ForwardBatch
+from .paged_attention.latent import context_latents
 
 if TYPE_CHECKING:
     from .engine import RadixEngine

@@ -22,7 +22,7 @@ import torch
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
-from .kv_pool import KVShape
+from .memory.kv_pool import KVShape
 
 logger = logging.get_logger(__name__)
 

@@ -11,19 +11,17 @@ import torch
 from transformers.utils import logging
 
 from .attention import make_backend, register
-from .cache_manager import CacheManager
 from .cache_utils import RadixCache
 from .capability import check_model, install_attention_guard
 from .errors import TrainingModeError
-from .forward_batch import ForwardBatch
-from .forward_context import attention_configs, radix_attention, radix_forward
-from .fused_ops import fused_norm_and_rope
-from .host_tier import HostTier, host_tier_tokens
-from .kv_pool import KVPool
-from .model_runner import ModelRunner, graph_memory_bytes
-from .model_state import ModelState
-from .options import EngineOptions
-from .placement import (
+from .forward.forward_context import attention_configs, radix_attention, radix_forward
+from .forward.fused_ops import fused_norm_and_rope
+from .forward.model_runner import ModelRunner, graph_memory_bytes
+from .forward.tensor_parallel import local_kv_shape, sync_tokens, tp_group
+from .memory.cache_manager import CacheManager
+from .memory.host_tier import HostTier, host_tier_tokens
+from .memory.kv_pool import KVPool
+from .memory.placement import (
     PlacedKVPool,
     hidden_output_device,
     is_dispatched,
@@ -31,8 +29,10 @@ from .placement import (
     pool_devices,
     require_one_device,
 )
+from .model_state import ModelState
+from .options import EngineOptions
+from .paged_attention.forward_batch import ForwardBatch
 from .stats import RadixStats
-from .tensor_parallel import local_kv_shape, sync_tokens, tp_group
 
 logger = logging.get_logger(__name__)
 

@@ -10,7 +10,7 @@ import typing
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 
-from .prefix_groups import MODES
+from .paged_attention.prefix_groups import MODES
 
 
 def _option(default, doc: str):

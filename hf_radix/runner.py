@@ -9,15 +9,15 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .cache_io import load_cache, save_cache
 from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
-from .evaluation import loglikelihood_rolling
-from .model_runner import ModelRunner
+from .forward.model_runner import ModelRunner
+from .integrations.evaluation import loglikelihood_rolling
+from .memory.cache_io import load_cache, save_cache
 from .options import EngineOptions
-from .request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
-from .sampling import SamplingParams, generate_new_tokens
 from .scheduler import Scheduler
+from .scheduling.request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
+from .scheduling.sampling import SamplingParams, generate_new_tokens
 from .stats import RadixStats
 
 _NO_TOKENS = np.empty(0, dtype=np.int64)  # the tokens of an item that failed conversion

@@ -20,16 +20,16 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .engine import RadixEngine
-from .forward_batch import StepRows
-from .logprobs import target_logprobs
-from .model_runner import ModelRunner
-from .radix_tree import RadixPrefixCache
-from .request import Req
-from .running_rows import Item, RunningRows, StepItems
-from .sampling import Sampler
-from .schedule_policy import PrefixAwareQueue
-from .step_completion import LaunchedStep, StepCompleter, copy_to_host
-from .stop_strings import StopStringDetector
+from .forward.model_runner import ModelRunner
+from .memory.radix_tree import RadixPrefixCache
+from .paged_attention.forward_batch import StepRows
+from .scheduling.logprobs import target_logprobs
+from .scheduling.request import Req
+from .scheduling.running_rows import Item, RunningRows, StepItems
+from .scheduling.sampling import Sampler
+from .scheduling.schedule_policy import PrefixAwareQueue
+from .scheduling.step_completion import LaunchedStep, StepCompleter, copy_to_host
+from .scheduling.stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
 

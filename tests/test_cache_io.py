@@ -212,7 +212,7 @@ def test_empty_cache_round_trip(tmp_path):
 
 def _union_tokens(engine) -> int:
     """Tokens of every prefix either tier holds (each counted once)."""
-    merged = hf_radix.radix_tree.RadixPrefixCache(engine.page_size)
+    merged = hf_radix.memory.radix_tree.RadixPrefixCache(engine.page_size)
     for tree in (engine.manager.tree, engine.host_tier.tree):
         for node in tree.nodes():
             path, n = [], node

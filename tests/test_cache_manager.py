@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix.cache_manager import CacheManager, OutOfPagesError
+from hf_radix.memory.cache_manager import CacheManager, OutOfPagesError
 
 
 def _start(manager: CacheManager, tokens: list[int]) -> int:

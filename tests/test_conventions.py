@@ -15,8 +15,9 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
 import hf_radix
-from hf_radix import RadixBatchRunner, SamplingParams, kv_pool
-from hf_radix.sampling import generate_new_tokens
+from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix.memory import kv_pool
+from hf_radix.scheduling.sampling import generate_new_tokens
 
 
 def _modules_with_logger():
@@ -42,7 +43,8 @@ def restore_verbosity():
 
 def test_transformers_verbosity_controls_every_hf_radix_logger(restore_verbosity):
     modules = _modules_with_logger()
-    assert {"hf_radix.engine", "hf_radix.scheduler", "hf_radix.kv_pool"} <= {m.__name__ for m in modules}
+    expected = {"hf_radix.engine", "hf_radix.scheduler", "hf_radix.memory.kv_pool"}
+    assert expected <= {m.__name__ for m in modules}
     root = logging.get_logger()  # transformers' root logger: its handler prints hf_radix's messages too
     for module in modules:
         assert module.logger.name == module.__name__

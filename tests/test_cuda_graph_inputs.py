@@ -18,10 +18,11 @@ import torch
 from conftest import fresh_model, hf_greedy, random_ids
 from twin_tables import cpu_and_cuda_tables
 
-from hf_radix import RadixBatchRunner, SamplingParams, cuda_graph
-from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
-from hf_radix.forward_batch import GraphInputs, build_forward_batch, gather_contexts
-from hf_radix.staging import ALIGN_BYTES, HostStaging, PackedLayout, StaticBlock
+from hf_radix import RadixBatchRunner, SamplingParams
+from hf_radix.forward import cuda_graph
+from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.forward.staging import ALIGN_BYTES, HostStaging, PackedLayout, StaticBlock
+from hf_radix.paged_attention.forward_batch import GraphInputs, build_forward_batch, gather_contexts
 
 NEW = 7
 
@@ -190,9 +191,9 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
     """The staged copy into the static block (and the rest of the upload beside it) and the gathers into
     the static buffers give on CUDA what they give on the CPU: decode steps past the staging ring with
     padded rows, an extend with ids partly from the table."""
-    from hf_radix.forward_batch import StepRows, load_graph_inputs
-    from hf_radix.page_table import PADDING_ROW
-    from hf_radix.staging import RING
+    from hf_radix.forward.staging import RING
+    from hf_radix.memory.page_table import PADDING_ROW
+    from hf_radix.paged_attention.forward_batch import StepRows, load_graph_inputs
 
     devices = ("cpu", "cuda")
     gen = np.random.default_rng(1)
@@ -224,7 +225,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
 def test_replayed_logits_equal_eager_ones_as_the_batch_changes(shared: bool, monkeypatch):
     """Every step that replays a graph (decode, padded to changing buckets; short extends) gives the logits
     an eager forward of the same step gives, while rows finish at different steps and new ones join."""
-    from hf_radix.model_runner import ModelRunner
+    from hf_radix.forward.model_runner import ModelRunner
 
     model = fresh_model("llama").cuda()
     runner = RadixBatchRunner(model, attn_backend="triton", max_total_tokens=8192, max_running_requests=12,

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rank_processes import run_ranks
 
 from hf_radix import RadixBatchRunner, RequestError, SamplingParams
-from hf_radix.routing import CacheAwareRouter
+from hf_radix.integrations.routing import CacheAwareRouter
 from hf_radix.tiny import tiny_model
 
 OPTIONS = {"attn_backend": "torch", "max_total_tokens": 2048}
@@ -45,7 +45,7 @@ def _edit(model: torch.nn.Module) -> None:
 
 
 def _replica(rank: int, device: torch.device) -> dict:
-    from hf_radix.data_parallel import DataParallelRunner
+    from hf_radix.integrations.data_parallel import DataParallelRunner
 
     prompts, _, pairs = _workload()
     runner = DataParallelRunner(tiny_model("llama").to(device), **OPTIONS)

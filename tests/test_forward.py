@@ -8,7 +8,7 @@ import torch
 from conftest import fresh_model, hf_logits, random_ids
 
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.forward_batch import StepRows, build_forward_batch
+from hf_radix.paged_attention.forward_batch import StepRows, build_forward_batch
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from hf_radix import fused_ops  # noqa: E402
+from hf_radix.forward import fused_ops  # noqa: E402
 from hf_radix.tiny import tiny_model  # noqa: E402
 
 # norm modules swapped per tiny architecture (2 layers): 2 per layer + the final one (+ q/k norms in Qwen3);

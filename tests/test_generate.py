@@ -19,9 +19,9 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
-from hf_radix import generate_session
-from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.engine import _ENGINE_ATTR
+from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.integrations import generate_session
 from hf_radix.tiny import tiny_model
 
 PAD = 0

@@ -11,12 +11,12 @@ import torch
 from conftest import fresh_model, random_ids
 
 import hf_radix
-from hf_radix import kv_pool
-from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs, static_buffer_bytes
-from hf_radix.forward_batch import StepRows
-from hf_radix.model_runner import GRAPH_MEMORY_MARGIN, ModelRunner, graph_memory_bytes
-from hf_radix.page_table import PageTable
-from hf_radix.shared_decode import MAX_PREFIX_SPLITS
+from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs, static_buffer_bytes
+from hf_radix.forward.model_runner import GRAPH_MEMORY_MARGIN, ModelRunner, graph_memory_bytes
+from hf_radix.memory import kv_pool
+from hf_radix.memory.page_table import PageTable
+from hf_radix.paged_attention.forward_batch import StepRows
+from hf_radix.paged_attention.shared_decode import MAX_PREFIX_SPLITS
 
 PAD = 0
 

@@ -9,7 +9,7 @@ from conftest import random_ids
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.forward_batch import StepRows
+from hf_radix.paged_attention.forward_batch import StepRows
 from hf_radix.tiny import tiny_model
 
 pytestmark = [

@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.cache_manager import CacheManager
-from hf_radix.host_tier import HostTier
-from hf_radix.kv_pool import KVPool, KVShape
-from hf_radix.radix_tree import IntegrityError
+from hf_radix.memory.cache_manager import CacheManager
+from hf_radix.memory.host_tier import HostTier
+from hf_radix.memory.kv_pool import KVPool, KVShape
+from hf_radix.memory.radix_tree import IntegrityError
 
 NEW = 4
 GREEDY = SamplingParams(max_new_tokens=NEW)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from hf_radix import IntegrityError
-from hf_radix.cache_manager import CacheManager
+from hf_radix.memory.cache_manager import CacheManager
 
 PS = 2
 

@@ -16,7 +16,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from lm_eval_helpers import evaluate  # noqa: E402
 
 import hf_radix  # noqa: E402
-from hf_radix.evaluation import rolling_windows  # noqa: E402
+from hf_radix.integrations.evaluation import rolling_windows  # noqa: E402
 from hf_radix.lm_eval_backend import HFRadixLM  # noqa: E402
 from hf_radix.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 

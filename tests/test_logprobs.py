@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_radix.logprobs import target_logprobs
+from hf_radix.scheduling.logprobs import target_logprobs
 
 
 def _reference(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor):

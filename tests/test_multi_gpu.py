@@ -10,7 +10,7 @@ from test_data_parallel import check_two_replicas
 from test_tensor_parallel import check_tensor_parallel
 
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.placement import PlacedKVPool
+from hf_radix.memory.placement import PlacedKVPool
 from hf_radix.tiny import tiny_model
 
 pytestmark = [

@@ -11,9 +11,9 @@ from conftest import fresh_model, hf_greedy, random_ids
 from twin_tables import cpu_and_cuda_tables
 
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.page_table import PADDING_ROW, PageTable
-from hf_radix.request import Req
-from hf_radix.staging import HostStaging
+from hf_radix.forward.staging import HostStaging
+from hf_radix.memory.page_table import PADDING_ROW, PageTable
+from hf_radix.scheduling.request import Req
 
 NEW = 6
 
@@ -73,7 +73,7 @@ def test_staging_sends_int32_parts_in_the_same_copy():
 def test_every_staged_array_and_tile_table_starts_16_byte_aligned():
     """Triton compiles a kernel variant per pointer alignment: views into one packed buffer must not start
     at offsets that follow the batch's sizes (a first run would compile new variants)."""
-    from hf_radix.prefix_groups import SharedPrefixBuffers
+    from hf_radix.paged_attention.prefix_groups import SharedPrefixBuffers
 
     staging = HostStaging("cpu")
     for sizes in ([1, 3, 2], [5], [2, 7, 1, 1]):
@@ -146,7 +146,7 @@ def test_batched_writes_under_eviction_keep_the_table_exact(page_size: int, monk
 def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
     """With the stream held up by a long kernel, more uploads than the ring has buffers each keep their
     own values: a buffer is refilled only after its last copy completed."""
-    from hf_radix.staging import RING
+    from hf_radix.forward.staging import RING
 
     staging = HostStaging("cuda")
     torch.cuda._sleep(200_000_000)  # the copies below queue behind this
@@ -164,8 +164,8 @@ def test_metadata_on_the_gpu_equals_the_cpu_one():
     each) and mixed steps with ids from the table, every slot-list choice."""
     import dataclasses
 
-    from hf_radix.forward_batch import SLOT_LISTS, StepRows, build_forward_batch
-    from hf_radix.staging import RING
+    from hf_radix.forward.staging import RING
+    from hf_radix.paged_attention.forward_batch import SLOT_LISTS, StepRows, build_forward_batch
 
     gen = np.random.default_rng(0)
     tables, rows, lens, contexts, _ = cpu_and_cuda_tables(gen)

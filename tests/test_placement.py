@@ -14,12 +14,12 @@ from model_matrix import tiny_matrix_model
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging
 
-from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError, tensor_parallel
+from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.cache_utils import RadixCache
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.forward_batch import ForwardBatch
-from hf_radix.kv_pool import CPU_DEFAULT_TOKENS, KVPool, KVShape
-from hf_radix.placement import (
+from hf_radix.forward import tensor_parallel
+from hf_radix.memory.kv_pool import CPU_DEFAULT_TOKENS, KVPool, KVShape
+from hf_radix.memory.placement import (
     PlacedKVPool,
     batch_to,
     hidden_output_device,
@@ -28,6 +28,7 @@ from hf_radix.placement import (
     layer_devices,
     placed_pool_tokens,
 )
+from hf_radix.paged_attention.forward_batch import ForwardBatch
 from hf_radix.tiny import tiny_model
 
 CPU, FAKE_GPU = torch.device("cpu"), torch.device("cuda", 1)  # the fake device is only named, never used

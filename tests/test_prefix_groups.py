@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix.prefix_groups import (
+from hf_radix.paged_attention.prefix_groups import (
     SharedPrefixBuffers,
     SharedPrefixCost,
     SharedPrefixPlan,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix.radix_tree import IntegrityError, RadixPrefixCache
+from hf_radix.memory.radix_tree import IntegrityError, RadixPrefixCache
 
 PS = 2
 NUM_PAGES = 12

@@ -1,4 +1,5 @@
-"""Tests for hf_radix.radix_tree: stateful check against a naive per-page reference, plus unit tests."""
+"""Tests for hf_radix.memory.radix_tree: stateful check against a naive per-page reference, plus unit
+tests."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from hf_radix.radix_tree import IntegrityError, MatchHandle, RadixPrefixCache, SizeInfo
+from hf_radix.memory.radix_tree import IntegrityError, MatchHandle, RadixPrefixCache, SizeInfo
 
 pytestmark = pytest.mark.slow  # no transformers version changes what this tests: run once
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hf_radix.request import Req, token_id_array
-from hf_radix.sampling import SamplingParams
+from hf_radix.scheduling.request import Req, token_id_array
+from hf_radix.scheduling.sampling import SamplingParams
 
 
 @pytest.mark.parametrize(

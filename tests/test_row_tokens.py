@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix.row_tokens import RowTokens, host_inputs
+from hf_radix.scheduling.row_tokens import RowTokens, host_inputs
 
 _rows = st.lists(st.lists(st.integers(0, 2**40), min_size=1, max_size=40), min_size=1, max_size=5)
 

@@ -10,7 +10,7 @@ from conftest import fresh_model, hf_greedy, random_ids
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.cuda_graph import ExtendGraphs
+from hf_radix.forward.cuda_graph import ExtendGraphs
 
 NEW = 6
 

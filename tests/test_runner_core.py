@@ -10,7 +10,7 @@ import torch
 from conftest import fresh_model, hf_greedy, random_ids
 
 from hf_radix import IntegrityError, RadixBatchRunner, SamplingParams
-from hf_radix.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
 
 NEW = 7
 
@@ -184,7 +184,7 @@ def test_warm_up_fits_a_small_page_table(page_size: int):
 def test_a_forward_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
     """A graph capture that fails (the model copies to the host, say) gives up graphs for the engine with
     one warning; the step and every later one run eagerly with the same tokens."""
-    from hf_radix.cuda_graph import GraphCaptureError
+    from hf_radix.forward.cuda_graph import GraphCaptureError
 
     runner = _runner("llama")
     core = runner.model_runner

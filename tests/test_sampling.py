@@ -16,7 +16,7 @@ from interpreter import assert_check_passed, interpreter_report, report_checks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.sampling import Sampler, kept_threshold, mix32, sample_rows_torch, seed_keys
+from hf_radix.scheduling.sampling import Sampler, kept_threshold, mix32, sample_rows_torch, seed_keys
 
 VOCAB = 50
 
@@ -330,7 +330,7 @@ def _interp_kernel_frequencies() -> dict[str, Any]:
 
 def _interp_sampler_on_the_kernel() -> dict[str, Any]:
     """The Sampler runs the kernel under the interpreter: per-request reproducibility, the torch tokens."""
-    import hf_radix.sampling as sampling
+    import hf_radix.scheduling.sampling as sampling
 
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=7)
     logits_of = {uid: _logits(4, seed=uid) for uid in range(4)}

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_radix.radix_tree import RadixPrefixCache
-from hf_radix.schedule_policy import BLOCK, WINDOW, PrefixAwareQueue, trie_keys
+from hf_radix.memory.radix_tree import RadixPrefixCache
+from hf_radix.scheduling.schedule_policy import BLOCK, WINDOW, PrefixAwareQueue, trie_keys
 
 
 @dataclass(eq=False)

@@ -10,7 +10,7 @@ import torch
 from conftest import fresh_model, hf_greedy, hf_logits, random_ids
 
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.evaluation import loglikelihood_rolling, rolling_windows, score_choices
+from hf_radix.integrations.evaluation import loglikelihood_rolling, rolling_windows, score_choices
 from hf_radix.tiny import tiny_model
 
 ATOL = 1e-4

@@ -23,12 +23,12 @@ from interpreter import interpreter_test, report_checks
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.cuda_graph import DecodeGraphs
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.forward_batch import StepRows, build_forward_batch
-from hf_radix.prefix_groups import SharedPrefixBuffers, build_shared_prefix_plan
-from hf_radix.radix_tree import RadixPrefixCache
-from hf_radix.shared_decode import SharedPrefixDecode, decode_cost, prefix_splits, tree_groups
+from hf_radix.forward.cuda_graph import DecodeGraphs
+from hf_radix.memory.radix_tree import RadixPrefixCache
+from hf_radix.paged_attention.forward_batch import StepRows, build_forward_batch
+from hf_radix.paged_attention.prefix_groups import SharedPrefixBuffers, build_shared_prefix_plan
+from hf_radix.paged_attention.shared_decode import SharedPrefixDecode, decode_cost, prefix_splits, tree_groups
 
 # --------------------------------------------------------------------------------------------------------
 # Host: grouping, plans kept across steps, the device refresh
@@ -268,7 +268,7 @@ def _generate_check(page_size: int, cached_first: bool = True) -> dict[str, Any]
 def _warm_up_check(page_size: int) -> dict[str, Any]:
     """Warm-up runs the shared-prefix kernels (on padding rows, one and two prefix splits) and leaves the
     runner as it was: later runs equal HF and the cache is consistent."""
-    from hf_radix import model_runner
+    from hf_radix.forward import model_runner
     from hf_radix.kernels import triton_shared_prefix
 
     model = fresh_model("llama")

@@ -18,7 +18,11 @@ import pytest
 import torch
 from interpreter import assert_check_passed, interpreter_report, report_checks
 
-from hf_radix.prefix_groups import SharedPrefixBuffers, SharedPrefixCost, build_shared_prefix_plan
+from hf_radix.paged_attention.prefix_groups import (
+    SharedPrefixBuffers,
+    SharedPrefixCost,
+    build_shared_prefix_plan,
+)
 
 pytestmark = pytest.mark.slow  # kernels alone: no transformers version changes them
 

@@ -23,7 +23,7 @@ from test_shared_prefix import (
     subset_case,
 )
 
-from hf_radix.prefix_groups import SharedPrefixBuffers
+from hf_radix.paged_attention.prefix_groups import SharedPrefixBuffers
 
 pytestmark = [
     pytest.mark.gpu,

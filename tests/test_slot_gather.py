@@ -13,8 +13,8 @@ import pytest
 import torch
 from interpreter import interpreter_test, report_checks
 
-from hf_radix import forward_batch
-from hf_radix.forward_batch import gather_contexts
+from hf_radix.paged_attention import forward_batch
+from hf_radix.paged_attention.forward_batch import gather_contexts
 
 
 def _case(seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, list]:

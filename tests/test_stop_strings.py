@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_radix.stop_strings import StopStringDetector
+from hf_radix.scheduling.stop_strings import StopStringDetector
 from hf_radix.tiny import tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()

@@ -10,9 +10,9 @@ from conftest import random_ids
 
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams
-from hf_radix.cache_manager import CacheManager
-from hf_radix.host_tier import HostTier
-from hf_radix.kv_pool import KVPool, KVShape
+from hf_radix.memory.cache_manager import CacheManager
+from hf_radix.memory.host_tier import HostTier
+from hf_radix.memory.kv_pool import KVPool, KVShape
 from hf_radix.tiny import tiny_model
 
 pytestmark = [

@@ -7,7 +7,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hf_radix.page_table import PageTable
+from hf_radix.memory.page_table import PageTable
 
 
 class TwinTables(NamedTuple):

@@ -17,12 +17,12 @@ program per (row, chunk), so no program walks a whole row and a launch has `rows
    reads only the blocks holding the row's largest values;
 3. `_gumbel_max_kernel`: per chunk, the lowest index of the largest `x + g` among the kept tokens
    (blocks whose maximum is below the threshold skipped), `g` a counter-based Gumbel variate of (the
-   row's seed keys, its step, the token's index) computed in the kernel (`hf_radix.sampling` defines the
+   row's seed keys, its step, the token's index) computed in the kernel (`scheduling.sampling` defines the
    same numbers in torch); greedy rows: the first column holding the row's maximum logit;
 4. `_pick_kernel`: per row, the best of its chunks (the lowest chunk on ties); advances sampled rows' steps.
 
 No atomics and no host syncs: the tokens are the same from call to call. The rule is the one
-`hf_radix.sampling.sample_rows_torch` computes with a sort; the two agree exactly except where a token
+`scheduling.sampling.sample_rows_torch` computes with a sort; the two agree exactly except where a token
 sits within float rounding of the nucleus boundary (sums in another order) or two perturbed scores are
 within an ulp (`log` of another library).
 """
@@ -35,7 +35,7 @@ import triton.language as tl
 
 from . import FP_FUSION
 
-# Keep in step with hf_radix.sampling (mix32, column and row keys, uniform from the top 24 bits).
+# Keep in step with hf_radix.scheduling.sampling (mix32, column and row keys, uniform from the top 24 bits).
 _MIX_0 = tl.constexpr(0x21F0AAAD)
 _MIX_1 = tl.constexpr(0x735A2D97)
 _COLUMN_SALT = tl.constexpr(0x27D4EB2F)
@@ -47,7 +47,7 @@ _STATE_SLOTS = tl.constexpr(4)
 
 @triton.jit
 def _mix32(x):
-    """`hf_radix.sampling.mix32` on uint32 (the products wrap modulo 2**32)."""
+    """`hf_radix.scheduling.sampling.mix32` on uint32 (the products wrap modulo 2**32)."""
     x = x ^ (x >> 16)
     x = x * _MIX_0
     x = x ^ (x >> 15)
@@ -57,7 +57,7 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel(row_key, offs):
-    """`hf_radix.sampling.gumbel_noise` of one row at columns `offs` (three `mix32` rounds inline)."""
+    """`scheduling.sampling.gumbel_noise` of one row at columns `offs` (three `mix32` rounds inline)."""
     x = offs.to(tl.uint32) ^ _COLUMN_SALT
     for _ in tl.static_range(2):  # the column's key
         x = x ^ (x >> 16)
@@ -297,7 +297,7 @@ def sample_rows(
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; advances sampled rows' `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
-    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `hf_radix.sampling`). `top_k_rows=False` says no
+    `seed_keys` `[2, B]` and `steps` `[B]` int64 (see `scheduling.sampling`). `top_k_rows=False` says no
     sampled row uses top-k, `top_p_rows=False` that none uses top-p: that search's digit launches are left
     out (the tokens are the same). `3 + 64 / digit_bits` launches with both (`digit_bits` 2, 4 or 8; 4: 19
     launches, 16 candidates a digit), 11 with top-p alone, 4 with neither; each runs a program per

@@ -1,7 +1,8 @@
 """Shared-prefix (cascade) attention over the paged KV pool, for decode and extend.
 
 Rows whose cached prefix is the same tree node read that prefix once per *tile of queries* instead of
-once per row. A batch is described by two tile tables built on the host (:mod:`hf_radix.prefix_groups`):
+once per row. A batch is described by two tile tables built on the host
+(:mod:`hf_radix.paged_attention.prefix_groups`):
 
 * **prefix tiles** -- one per (group, chunk of up to ``prefix_tile_q`` of the group's query tokens): the
   group's shared prefix K/V are loaded once per (tile, KV head, split) and attended by every query of the
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..prefix_groups import MODES, TILE_FIELDS, SharedPrefixBuffers
+from ..paged_attention.prefix_groups import MODES, TILE_FIELDS, SharedPrefixBuffers
 from . import interpreting
 from .triton_attention_common import (
     _check_common,
@@ -483,7 +484,7 @@ def shared_prefix_attention(
     ``k_cache`` ``[slots, Hkv, D]``, ``v_cache`` ``[slots, Hkv, Dv]``; ``slots`` is the flat slot array the
     tiles index (e.g. a batch's ``kv_indices``, or the flattened request-to-slot table); the K/V of the new
     tokens must already be in the pool. ``tiles`` is the batch's
-    :class:`~hf_radix.prefix_groups.SharedPrefixBuffers`. ``sinks`` ``[Hq]`` are attention-sink logits
+    :class:`~paged_attention.prefix_groups.SharedPrefixBuffers`. ``sinks`` ``[Hq]`` are attention-sink logits
     (natural log units), counted once in each softmax denominator. Split counts are python ints chosen by
     the caller (:func:`~hf_radix.kernels.triton_attention.pick_num_kv_splits` over tiles and longest range);
     prefixes are split into the smaller of ``num_prefix_splits`` and the count the tables hold on the device

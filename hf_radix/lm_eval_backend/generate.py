@@ -17,7 +17,7 @@ import torch
 from lm_eval.models.utils_hf import stop_sequences_criteria
 from transformers.utils import logging
 
-from ..sampling import SamplingParams
+from ..scheduling.sampling import SamplingParams
 
 logger = logging.get_logger(__name__)
 

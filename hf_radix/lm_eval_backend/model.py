@@ -25,7 +25,7 @@ from lm_eval.models.utils import (
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from ..evaluation import loglikelihood_rolling
+from ..integrations.evaluation import loglikelihood_rolling
 from ..options import EngineOptions
 from ..runner import RadixBatchRunner
 from . import generate, model_args

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from .forward_batch import StepRows
+from ..paged_attention.forward_batch import StepRows
 from .request import Req
 from .sampling import SamplingParams
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .kernels.store import store_kv
+from ..kernels.store import store_kv
 
 logger = logging.get_logger(__name__)
 

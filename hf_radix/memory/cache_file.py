@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import torch
 
-from .model_state import CONFIG_IGNORED
+from ..model_state import CONFIG_IGNORED
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CacheFileError", "model_fingerprint", "tensor_digest"]
 

@@ -21,12 +21,12 @@ from contextvars import ContextVar
 import torch
 from transformers.utils import logging
 
-from .cache_utils import CACHE_IMPLEMENTATION
-from .capability import check_inputs
-from .engine import _ENGINE_ATTR, get_engine
-from .errors import OWN_CACHE_MESSAGE
+from ..cache_utils import CACHE_IMPLEMENTATION
+from ..capability import check_inputs
+from ..engine import _ENGINE_ATTR, get_engine
+from ..errors import OWN_CACHE_MESSAGE
+from ..scheduling.request import token_id_list
 from .generate_session import RadixGenerateCache
-from .request import token_id_list
 
 logger = logging.get_logger(__name__)
 

@@ -42,7 +42,7 @@ from .placement import require_one_device
 from .radix_tree import RadixNode, RadixPrefixCache
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from ..engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 

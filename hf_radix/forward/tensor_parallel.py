@@ -13,9 +13,9 @@ import dataclasses
 import torch
 from transformers.utils import logging
 
-from .distributed import broadcast_from_first
-from .errors import UnsupportedModelError
-from .kv_pool import KVShape
+from ..errors import UnsupportedModelError
+from ..integrations.distributed import broadcast_from_first
+from ..memory.kv_pool import KVShape
 
 logger = logging.get_logger(__name__)
 

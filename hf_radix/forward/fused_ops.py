@@ -25,7 +25,7 @@ import torch
 from transformers.models.llama import modeling_llama
 from transformers.utils import logging
 
-from .kernels import triton_runs_on
+from ..kernels import triton_runs_on
 
 logger = logging.get_logger(__name__)
 
@@ -52,7 +52,7 @@ def _same_code(fn: object, reference: Callable) -> bool:
 
 
 def _norm_forward(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    from .kernels.triton_norm_rope import rms_norm
+    from ..kernels.triton_norm_rope import rms_norm
 
     original = module.forward
 
@@ -88,7 +88,7 @@ def _rope_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
 
 
 def _rope_function(original: Callable) -> Callable:
-    from .kernels.triton_norm_rope import rotary_embedding
+    from ..kernels.triton_norm_rope import rotary_embedding
 
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if not _fusing.get() or unsqueeze_dim != 1 or not _rope_fits(q, k, cos, sin):

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .distributed import min_over_group
+from ..integrations.distributed import min_over_group
 from .kv_pool import KVPool, KVShape, pool_size_tokens
 
 logger = logging.get_logger(__name__)

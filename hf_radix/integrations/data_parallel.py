@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from transformers.utils import logging
 
+from ..engine import get_engine
+from ..errors import RequestError, check_error_mode, raise_or_return
+from ..runner import RadixBatchRunner
+from ..scheduling.request import RequestOutput, pair_items
+from ..scheduling.sampling import SamplingParams
+from ..stats import RadixStats
 from .distributed import all_gather_json
-from .engine import get_engine
-from .errors import RequestError, check_error_mode, raise_or_return
-from .request import RequestOutput, pair_items
 from .routing import CacheAwareRouter
-from .runner import RadixBatchRunner
-from .sampling import SamplingParams
-from .stats import RadixStats
 
 logger = logging.get_logger(__name__)
 

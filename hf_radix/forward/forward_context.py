@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedConfig
 
 if TYPE_CHECKING:
-    from .cache_utils import RadixCache
+    from ..cache_utils import RadixCache
 
 ATTENTION_NAME = "radix"
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .staging import HostStaging, StaticBlock
+from ..forward.staging import HostStaging, StaticBlock
 
 PADDING_ROW = 0
 _FIRST_ROWS = 16

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .cache_manager import CacheManager
+from ..memory.cache_manager import CacheManager
 from .request import Req
 from .sampling import Sampler
 from .stop_strings import StopStringDetector

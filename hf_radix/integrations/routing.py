@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .radix_tree import RadixPrefixCache
+from ..memory.radix_tree import RadixPrefixCache
 
 
 class CacheAwareRouter:

@@ -8,7 +8,7 @@ The graphs hold the addresses of the engine's pool: `release` frees them when th
 or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` estimates the memory the
 graphs take, which the engine keeps out of a pool sized from free GPU memory.
 With `shared_prefix` (Triton attention, one device), decode steps whose rows share cached prefixes read
-each group's prefix once where the cost rule says so, in graphs and eagerly (`hf_radix.shared_decode`).
+each group's prefix once where the cost rule says so, in graphs and eagerly (`paged_attention.shared_decode`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
+from ..memory.page_table import PADDING_ROW, to_device
+from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
+from ..paged_attention.shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
+from ..scheduling.sampling import warm_up_sampling
 from .cuda_graph import (
     EXTEND_TOKEN_BUCKETS,
     DecodeGraphs,
@@ -28,13 +32,9 @@ from .cuda_graph import (
     GraphCaptureError,
     static_buffer_bytes,
 )
-from .forward_batch import ForwardBatch, StepRows, build_forward_batch
-from .page_table import PADDING_ROW, to_device
-from .sampling import warm_up_sampling
-from .shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from ..engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 

@@ -2,7 +2,7 @@
 
 Rows of a decode batch whose locked prefixes pass through one tree node form a group: the deepest node
 another row of the batch also passes (every node of a locked path is locked, so it stays while they run).
-Its length is page-aligned, as every node boundary is. The plan (:mod:`hf_radix.prefix_groups`) is built
+Its length is page-aligned, as every node boundary is. The plan (:mod:`.prefix_groups`) is built
 on the host only when the batch's membership changes -- its rows, in order, each with the lock it holds --
 and loaded into static device buffers then. A step grows each row's suffix by one token; what that moves
 (query positions, suffix ranges, where each context starts in the slot list) the device recomputes from
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from transformers.utils import logging
 
-from .page_table import PADDING_ROW
+from ..memory.page_table import PADDING_ROW
 from .prefix_groups import SharedPrefixBuffers, SharedPrefixCost, SharedPrefixPlan, build_shared_prefix_plan
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from ..engine import RadixEngine
+    from ..memory.radix_tree import MatchHandle
     from .forward_batch import ForwardBatch, StepRows
-    from .radix_tree import MatchHandle
 
 logger = logging.get_logger(__name__)
 
@@ -181,7 +181,7 @@ class SharedPrefixDecode:
         return most_prefix_splits(self.mode)
 
     def _splits(self, plan: SharedPrefixPlan) -> int:
-        from .kernels.triton_attention_common import _sm_count
+        from ..kernels.triton_attention_common import _sm_count
 
         splits = prefix_splits(len(plan.prefix_tiles), self.cost.num_kv_heads, plan.max_prefix_len,
                                _sm_count(self.engine.device))

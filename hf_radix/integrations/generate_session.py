@@ -16,15 +16,15 @@ import numpy as np
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .cache_utils import RadixCache
-from .errors import OWN_CACHE_MESSAGE
-from .forward_batch import ForwardBatch, StepRows, build_forward_batch
-from .forward_context import current_forward, model_attention, radix_forward
-from .model_runner import ModelRunner
-from .row_tokens import RowTokens, host_inputs
+from ..cache_utils import RadixCache
+from ..errors import OWN_CACHE_MESSAGE
+from ..forward.forward_context import current_forward, model_attention, radix_forward
+from ..forward.model_runner import ModelRunner
+from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
+from ..scheduling.row_tokens import RowTokens, host_inputs
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from ..engine import RadixEngine
 
 
 OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds`: never matched, never cached

@@ -6,7 +6,7 @@ replaying a captured graph removes that. Two kinds:
 * `DecodeGraphs`: one new token per row, rows padded to a bucket; a padded row is one token on the page
   table's padding row (every position: the scratch slot outside the managed pool), attending to itself.
   Batches whose rows share cached prefixes replay graphs of their own, one per batch size, whose
-  attention reads each group's prefix once (`hf_radix.shared_decode`; static group buffers, the split
+  attention reads each group's prefix once (`paged_attention.shared_decode`; static group buffers, the split
   count read on the device).
 * `ExtendGraphs`: a few new tokens per row over cached prefixes (a question after a cached few-shot
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
@@ -34,13 +34,19 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .forward_batch import ForwardBatch, GraphInputs, StepRows, build_forward_batch, load_graph_inputs
+from ..memory.page_table import PADDING_ROW
+from ..paged_attention.forward_batch import (
+    ForwardBatch,
+    GraphInputs,
+    StepRows,
+    build_forward_batch,
+    load_graph_inputs,
+)
+from ..paged_attention.shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
 from .fused_ops import fused_norm_and_rope
-from .page_table import PADDING_ROW
-from .shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from ..engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .kernels import triton_runs_on
-from .page_table import PageTable
-from .staging import PackedLayout, StaticBlock
+from ..forward.staging import PackedLayout, StaticBlock
+from ..kernels import triton_runs_on
+from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
     from .shared_decode import DecodeShare
@@ -41,7 +41,7 @@ class ForwardBatch:
     seq_lens_host: np.ndarray
     max_new_len: int
     max_kv_len: int
-    shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (hf_radix.shared_decode)
+    shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (shared_decode)
 
     @property
     def batch_size(self) -> int:
@@ -181,7 +181,7 @@ def gather_contexts(
         return bases[:0] if out is None else out[:0]
     out = torch.empty(total, dtype=torch.int64, device=flat_slots.device) if out is None else out[:total]
     if triton_runs_on(flat_slots):
-        from .kernels.triton_slots import gather_runs
+        from ..kernels.triton_slots import gather_runs
 
         return gather_runs(flat_slots, bases, indptr, longest, out)
     position = torch.arange(total, dtype=indptr.dtype, device=flat_slots.device)

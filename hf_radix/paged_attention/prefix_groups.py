@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
-from .staging import aligned_offsets, aligned_views
+from ..forward.staging import aligned_offsets, aligned_views
 
 logger = logging.get_logger(__name__)
 
@@ -162,7 +162,7 @@ def build_shared_prefix_plan(
     """Groups a batch's rows by their cached-prefix tree node and builds the tile tables.
 
     Row ``i`` has context length ``seq_lens[i]``, whose last ``new_lens[i]`` tokens (default 1: decode) are
-    its query tokens, packed row after row as in :class:`hf_radix.forward_batch.ForwardBatch`. ``node_ids[i]``
+    its query tokens, packed row after row as in :class:`.forward_batch.ForwardBatch`. ``node_ids[i]``
     names the tree node holding the row's shared cached prefix (negative: none) and ``shared_lens[i]`` that
     node's page-aligned prefix length; rows naming one node form a group. A group whose modelled gain is not
     positive is dissolved into rows alone (unless ``cost.keep_all``). With ``slots`` (the flat slot array),

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .kernels import triton_runs_on
-from .page_table import to_device
+from ..kernels import triton_runs_on
+from ..memory.page_table import to_device
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         args = (staged.inv_temperature, staged.top_k, staged.top_p, staged.seed_keys, staged.steps)
         if triton_runs_on(logits):
-            from .kernels.triton_sampling import sample_rows
+            from ..kernels.triton_sampling import sample_rows
 
             # advances staged.steps
             tokens = sample_rows(logits, *args, top_k_rows=staged.top_k_rows, top_p_rows=staged.top_p_rows)

@@ -17,8 +17,8 @@ import dataclasses
 import numpy as np
 import torch
 
+from ..memory.kv_pool import KVPool
 from .forward_batch import ForwardBatch
-from .kv_pool import KVPool
 
 
 def context_latents(

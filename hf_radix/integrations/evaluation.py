@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
-from .errors import RequestError
-from .request import prompt_items, token_id_array
+from ..errors import RequestError
+from ..scheduling.request import prompt_items, token_id_array
 
 if TYPE_CHECKING:
-    from .runner import RadixBatchRunner
+    from ..runner import RadixBatchRunner
 
 Window = tuple[list[int], list[int]]
 

@@ -1,0 +1,1 @@
+"""The ways in besides the runner: radix generate, evaluation loops, data parallel."""

@@ -1,0 +1,1 @@
+"""Paged attention's batch metadata, shared-prefix planning and MLA latents."""

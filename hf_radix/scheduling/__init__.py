@@ -1,0 +1,1 @@
+"""Requests and the scheduler's parts: admission order, running rows, sampling, completion."""
