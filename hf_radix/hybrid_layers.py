@@ -154,8 +154,9 @@ def _mixer_kinds(mtype: str, mixer: nn.Module, dtype: torch.dtype) -> tuple[Stat
 
 # ------------------------------------------------------------------------------------- tiny configs
 
-_COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_attention_heads=2,
-               num_key_value_heads=1, max_position_embeddings=256)
+# initializer_range 0.05 (instead of 0.02) so that the states visibly change the logits.
+_COMMON = dict(vocab_size=96, initializer_range=0.05, hidden_size=32, intermediate_size=48,
+               num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)
 _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4,
                mamba_expand=2, mamba_chunk_size=8)
 _GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=12,
