@@ -18,10 +18,12 @@ from torch import nn
 
 __all__ = [
     "FAMILIES",
+    "NO_PREFIX_REUSE",
     "REFUSED_FAMILIES",
     "StateKindSpec",
     "StateLayerSpec",
     "probe_state_specs",
+    "refusal_reason",
     "state_specs",
     "tiny_hybrid_model",
 ]
@@ -84,6 +86,21 @@ REFUSED_FAMILIES = {
         "a multi-token forward after a cached state drops the convolution context"
     ),
 }
+
+
+_MAMBA1 = (
+    "transformers' torch Mamba1 selective scan cannot start from a cached state (a multi-token forward "
+    "after a prefix restarts the scan from zero), so prefix hits and chunked prefill would be wrong; "
+    "only single-token decode continues exactly"
+)
+#: Families whose states have a shape (so :func:`state_specs` works) but cannot continue a cached
+#: state with a multi-token forward: prefix caching must refuse them with this reason.
+NO_PREFIX_REUSE = {"mamba": _MAMBA1, "falcon_mamba": _MAMBA1, "jamba": _MAMBA1}
+
+
+def refusal_reason(model_type: str) -> str | None:
+    """Why hybrid prefix caching refuses this ``model_type`` (None: supported or not a state family)."""
+    return REFUSED_FAMILIES.get(model_type) or NO_PREFIX_REUSE.get(model_type)
 
 
 def _layers(model: nn.Module) -> nn.ModuleList:

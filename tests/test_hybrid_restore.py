@@ -137,3 +137,18 @@ def test_fresh_row_with_zero_slot_batches_with_a_continuing_row(name):
     cache.state_batch.flush()
     torch.testing.assert_close(out.logits[0], full_a[0, P:], atol=ATOL, rtol=0)
     torch.testing.assert_close(out.logits[1], full_b[0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "bamba"])
+def test_padding_inside_a_continuation_chunk_is_not_exact(name):
+    """Why a hybrid forward cannot pad rows: padded steps after a non-zero state move the state."""
+    model = tiny_hybrid_model(name)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False, position_ids=torch.arange(12)[None]).logits
+        cache = model(input_ids=ids[:, :8], position_ids=torch.arange(8)[None], use_cache=True).cache
+        x = torch.cat([torch.zeros(1, 2, dtype=torch.long), ids[:, 8:]], 1)  # 2 pads, then 4 tokens
+        mask = torch.cat([torch.ones(1, 8), torch.zeros(1, 2), torch.ones(1, 4)], 1).long()
+        out = model(input_ids=x, cache=cache, attention_mask=mask, use_cache=True,
+                    position_ids=torch.tensor([[8, 8, 8, 9, 10, 11]])).logits
+    assert (out[:, 2:] - full[:, 8:]).abs().max() > 1e-3

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_radix.hybrid_layers import (
+    NO_PREFIX_REUSE,
     REFUSED_FAMILIES,
     StateKindSpec,
     StateLayerSpec,
     probe_state_specs,
+    refusal_reason,
     state_specs,
     tiny_hybrid_model,
 )
@@ -125,3 +127,10 @@ def test_state_specs_match_what_transformers_caches(name):
 def test_refused_families_say_why(name):
     with pytest.raises(ValueError, match="not the Cache|not in the Cache"):
         state_specs(tiny_hybrid_model(name))
+
+
+def test_refusal_reasons():
+    assert refusal_reason("qwen3_5_text") is None and refusal_reason("bamba") is None
+    for name in (*REFUSED_FAMILIES, *NO_PREFIX_REUSE):
+        assert refusal_reason(name)
+    assert "initial" in refusal_reason("jamba") or "cannot start" in refusal_reason("jamba")
