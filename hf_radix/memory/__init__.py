@@ -1,2 +1,2 @@
-"""The prefix cache's memory: the radix tree, the KV pool and page table, the manager,
-host tier and cache files."""
+"""The prefix cache's memory: the radix tree, the KV pool, the state pool of hybrid models, the page table,
+the manager, the host tier and cache files."""

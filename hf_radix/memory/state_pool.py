@@ -1,0 +1,266 @@
+"""Fixed-size per-request states of hybrid and state-space layers, in preallocated slots.
+
+A state layer (Gated DeltaNet, Mamba/Mamba2 mixer, LFM2 short convolution) keeps, per request, a
+convolution window ``[channels, kernel]`` and (except LFM2) a recurrent state, whatever the number of
+tokens seen. :class:`StatePool` holds, for every state layer and state kind, one tensor
+``[num_slots, *shape]``; a *slot* is the place of one request's whole state across all layers.
+Running requests and radix-tree snapshots take slots from the same pool: a snapshot is a slot that a
+tree node holds, saved and restored with :meth:`StatePool.copy_slots`.
+
+:class:`StateBatch` binds the slots of the rows of one forward to the ``transformers.Cache`` state API
+(``get_conv_state``, ``update_conv_state``, ``get_recurrent_state``, ``update_recurrent_state``), which
+the models' own layers call; :class:`StateCacheMixin` gives a ``Cache`` subclass those methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..hybrid_layers import StateLayerSpec
+
+__all__ = ["StateBatch", "StateCacheMixin", "StatePool", "StatePoolError"]
+
+
+class StatePoolError(RuntimeError):
+    """Slot bookkeeping was broken: out of slots, a double free, or a slot that is not allocated."""
+
+
+class StatePool:
+    """Preallocated per-layer state tensors, handed out by slot.
+
+    Args:
+        specs: the state layers and the shape and dtype of each of their states
+            (:func:`hf_radix.hybrid_layers.state_specs`).
+        num_slots: how many requests' states (running rows plus snapshots) the pool holds.
+        device: where the tensors live.
+    """
+
+    def __init__(self, specs: Sequence[StateLayerSpec], num_slots: int, device: torch.device | str = "cpu"):
+        if num_slots < 1:
+            raise ValueError("a state pool needs at least one slot")
+        self.specs = {s.layer_idx: s for s in specs}
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        self.tensors: dict[tuple[int, str], torch.Tensor] = {
+            (s.layer_idx, k.kind): torch.zeros((num_slots, *k.shape), dtype=k.dtype, device=self.device)
+            for s in specs
+            for k in s.kinds
+        }
+        # Lowest slots first, so that small workloads use a compact range.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+
+    # ------------------------------------------------------------------------------ bookkeeping
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """The model layers that keep a state, in order."""
+        return sorted(self.specs)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """Bytes of one slot: one request's state across all state layers."""
+        return sum(s.nbytes for s in self.specs.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool."""
+        return self.bytes_per_slot * self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._used)
+
+    def alloc(self, n: int = 1, zero: bool = True) -> list[int]:
+        """Take ``n`` free slots (zeroed unless ``zero=False``); raises :class:`StatePoolError` if short."""
+        if n > len(self._free):
+            raise StatePoolError(f"state pool out of slots: {n} asked, {len(self._free)} free")
+        slots = [self._free.pop() for _ in range(n)]
+        self._used.update(slots)
+        if zero and slots:
+            self.zero_slots(slots)
+        return slots
+
+    def free(self, slots: Iterable[int]) -> None:
+        """Give slots back; freeing a slot that is not allocated raises :class:`StatePoolError`."""
+        slots = list(slots)
+        if len(set(slots)) != len(slots):
+            raise StatePoolError(f"slot freed twice in one call: {slots}")
+        for s in slots:
+            if s not in self._used:
+                raise StatePoolError(f"slot {s} is not allocated")
+        for s in slots:
+            self._used.remove(s)
+            self._free.append(s)
+
+    def check_integrity(self) -> None:
+        """Free and used slots partition the pool."""
+        free = set(self._free)
+        if len(free) != len(self._free) or free & self._used or len(free) + len(self._used) != self.num_slots:
+            raise StatePoolError(
+                f"state pool bookkeeping broken: {len(self._free)} free, {len(self._used)} used, "
+                f"{self.num_slots} slots"
+            )
+
+    # ------------------------------------------------------------------------------ data movement
+
+    def _index(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        return torch.as_tensor(slots, dtype=torch.long).to(self.device)
+
+    def zero_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
+        """Reset slots to the state of an empty sequence (all zeros)."""
+        idx = self._index(slots)
+        for t in self.tensors.values():
+            t.index_fill_(0, idx, 0)
+
+    def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
+        """Copy the whole state of slots ``src`` into slots ``dst`` (snapshot save and restore)."""
+        s, d = self._index(src), self._index(dst)
+        if s.shape != d.shape:
+            raise ValueError("copy_slots needs as many destination slots as sources")
+        for t in self.tensors.values():
+            t.index_copy_(0, d, t.index_select(0, s))
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy one slot's state into another."""
+        self.copy_slots([src], [dst])
+
+    def gather(self, layer_idx: int, kind: str, slots: torch.Tensor) -> torch.Tensor:
+        """A new ``[len(slots), *shape]`` tensor holding these slots' state of one layer and kind."""
+        return self.tensors[(layer_idx, kind)].index_select(0, slots)
+
+    def scatter(self, layer_idx: int, kind: str, slots: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``values`` (``[len(slots), *shape]``) into these slots' state of one layer and kind."""
+        t = self.tensors[(layer_idx, kind)]
+        t.index_copy_(0, slots, values.to(t.dtype))
+
+    def state_dict(self, slots: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The states of ``slots`` on the host, keyed ``"<layer>.<kind>"`` (host tier, cache files)."""
+        idx = self._index(slots)
+        return {f"{layer}.{kind}": t.index_select(0, idx).cpu() for (layer, kind), t in self.tensors.items()}
+
+    def load_state_dict(self, slots: Sequence[int], states: dict[str, torch.Tensor]) -> None:
+        """Write states saved by :meth:`state_dict` into ``slots``; refuses mismatched layouts."""
+        idx = self._index(slots)
+        expected = {f"{layer}.{kind}" for layer, kind in self.tensors}
+        if set(states) != expected:
+            raise ValueError(f"state layout differs: {sorted(set(states) ^ expected)}")
+        for (layer, kind), t in self.tensors.items():
+            v = states[f"{layer}.{kind}"]
+            if tuple(v.shape) != (len(idx), *t.shape[1:]) or v.dtype != t.dtype:
+                raise ValueError(f"state {layer}.{kind}: got {tuple(v.shape)} {v.dtype}, "
+                                 f"expected {(len(idx), *t.shape[1:])} {t.dtype}")
+            t.index_copy_(0, idx, v.to(self.device))
+
+
+class StateBatch:
+    """The states of the rows of one forward: the transformers ``Cache`` state API over pool slots.
+
+    Row ``i`` of the batch reads and writes slot ``slots[i]``. ``has_previous`` says whether the rows
+    continue from a state (a prefix hit or an earlier chunk) or start a sequence: then the layers get
+    ``None`` from ``get_*_state`` and take their prefill path, exactly as with a fresh ``DynamicCache``.
+    (Fresh rows batched with continuing rows also work: their slot is zeros.) Layers update states in
+    place (single-token decode) or through ``update_*_state``; :meth:`flush` writes the batch's states
+    back into the slots once the forward is done.
+    """
+
+    def __init__(self, pool: StatePool, slots: Sequence[int] | torch.Tensor, has_previous: bool):
+        self.pool = pool
+        self.slots = pool._index(slots)
+        self.has_previous = has_previous
+        self._work: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _get(self, layer_idx: int, kind: str) -> torch.Tensor:
+        key = (layer_idx, kind)
+        if key not in self._work:
+            self._work[key] = self.pool.gather(layer_idx, kind, self.slots)
+        return self._work[key]
+
+    def get_conv_state(self, layer_idx: int) -> torch.Tensor | None:
+        """The rows' conv windows ``[B, channels, kernel]`` (``None`` for rows starting a sequence)."""
+        return self._get(layer_idx, "conv") if self.has_previous else None
+
+    def get_recurrent_state(self, layer_idx: int) -> torch.Tensor | None:
+        """The rows' recurrent states (``None`` for rows starting a sequence)."""
+        return self._get(layer_idx, "recurrent") if self.has_previous else None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, conv_kernel_size: int | None = None
+                          ) -> torch.Tensor:
+        """Take a chunk's conv inputs ``[B, channels, T]``; return them with the cached window in front.
+
+        Starting rows get the chunk left-padded with zeros up to the kernel size, continuing rows the
+        concatenation (window, chunk); the last ``kernel`` columns become the new window.
+        """
+        kernel = self.pool.specs[layer_idx]
+        kernel = next(k.shape[-1] for k in kernel.kinds if k.kind == "conv")
+        if conv_kernel_size is not None and conv_kernel_size != kernel:
+            raise ValueError(f"layer {layer_idx}: conv kernel {conv_kernel_size}, pool window {kernel}")
+        if self.has_previous:
+            full = torch.cat([self._get(layer_idx, "conv").to(conv_states.dtype), conv_states], dim=-1)
+        elif conv_states.shape[-1] < kernel:
+            full = F.pad(conv_states, (kernel - conv_states.shape[-1], 0))
+        else:
+            full = conv_states
+        self._work[(layer_idx, "conv")] = full[..., -kernel:]
+        return full
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Keep the rows' new recurrent state; return it as the layer will read it."""
+        dtype = self.pool.tensors[(layer_idx, "recurrent")].dtype
+        self._work[(layer_idx, "recurrent")] = recurrent_states.to(dtype)
+        return self._work[(layer_idx, "recurrent")]
+
+    def flush(self) -> None:
+        """Write every state this forward read or produced back into the rows' slots."""
+        for (layer_idx, kind), t in self._work.items():
+            self.pool.scatter(layer_idx, kind, self.slots, t)
+        self._work.clear()
+
+
+class StateCacheMixin:
+    """The transformers ``Cache`` state methods, routed to a :class:`StateBatch` in ``self.state_batch``.
+
+    Put it before the ``Cache`` base class (``class C(StateCacheMixin, DynamicCache)``). The cache's
+    ``layers`` list must still hold, at each state layer, an object that is an instance of
+    ``LinearAttentionCacheLayerMixin`` (transformers' masks and ``get_seq_length`` look at the layer
+    types); those objects are never filled.
+    """
+
+    state_batch: StateBatch
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_state_idx(state_idx)
+        return self.state_batch.get_conv_state(layer_idx)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self._check_state_idx(state_idx)
+        return self.state_batch.get_recurrent_state(layer_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs
+                          ) -> torch.Tensor:
+        self._check_state_idx(state_idx)
+        return self.state_batch.update_conv_state(conv_states, layer_idx, kwargs.get("conv_kernel_size"))
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0,
+                               **kwargs) -> torch.Tensor:
+        self._check_state_idx(state_idx)
+        return self.state_batch.update_recurrent_state(recurrent_states, layer_idx)
+
+    def has_previous_state(self, layer_idx: int | None = None, state_idx: int | None = None) -> bool:
+        return self.state_batch.has_previous
+
+    def is_recording_past(self, layer_idx: int) -> bool:
+        # No speculative rollback: single-token decode may update the states in place.
+        return False
+
+    @staticmethod
+    def _check_state_idx(state_idx: int) -> None:
+        if state_idx != 0:
+            raise NotImplementedError("layers with more than one conv/recurrent state are not supported")
