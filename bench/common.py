@@ -6,6 +6,7 @@ Timing. Every benchmark times through `timer` (one block) or `measure` (a functi
     with timer() as t:              # waits for the GPU before and after (when CUDA is in use)
         model.generate(...)
     t.seconds
+    seconds, out = timed(lambda: model.generate(...))   # the same, for one call
 
     timing = measure(lambda: runner.run(prompts), warmup=1, repeats=5)
     timing.first_s, timing.median_s, timing.steady_s   # first (cold) call beside the steady ones
@@ -81,11 +82,13 @@ def timer(device: torch.device | str | None = None, *, sync: bool = True, events
 
     `sync` (default): waits for the GPU before and after the block when CUDA is in use (`device`, or any
     initialized CUDA), so the time counts the GPU work the block launched. `sync=False`: host time alone.
-    `events=True`: the GPU time between the block's first and last launch, from CUDA events on the current
-    stream (host work before the first launch not counted); needs CUDA.
+    `events=True`: GPU time from CUDA events recorded on the current stream before and after the block
+    (`sync` waits for earlier work first); needs CUDA.
     """
     result = Timer()
     if events:
+        if sync:
+            _sync(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         yield result
@@ -104,6 +107,14 @@ def timer(device: torch.device | str | None = None, *, sync: bool = True, events
 
 
 _sync = sync  # `timer`'s own parameter is called sync
+
+
+def timed(fn: Callable[[], Any], device: torch.device | str | None = None, *, sync: bool = True
+          ) -> tuple[float, Any]:
+    """One call of `fn` timed by `timer`: (seconds, what it returned)."""
+    with timer(device, sync=sync) as t:
+        value = fn()
+    return t.seconds, value
 
 
 @dataclass

@@ -30,7 +30,15 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, generate_arguments, generate_device, parser_for, timer, write_result  # noqa: E402
+from common import (  # noqa: E402
+    build_llama,
+    generate_arguments,
+    generate_device,
+    parser_for,
+    timed,
+    timer,
+    write_result,
+)
 
 import hf_radix  # noqa: E402
 
@@ -42,12 +50,6 @@ def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[t
     with timer(device) as t:
         model = build_llama(tiny, device, dtype)
     return model, t.seconds
-
-
-def timed(device: torch.device, fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    with timer(device) as t:
-        out = fn()
-    return t.seconds, out
 
 
 def time_state_check(model: torch.nn.Module, engine, repeats: int = 2000) -> list[float]:
@@ -102,11 +104,11 @@ def run(args: argparse.Namespace) -> dict:
     for radix in (False, True):
         for i, q in enumerate(warm_other):
             for new in (1, 4, 3):
-                elapsed, _ = timed(device, lambda q=q, new=new, r=radix: call(other_prefix + q, new, r))
+                elapsed, _ = timed(lambda q=q, new=new, r=radix: call(other_prefix + q, new, r), device)
                 if i == 0 and new == 1:
                     first[radix] = elapsed
     # priming: the first call with the shared prefix computes it (the radix cold start)
-    cold = {radix: timed(device, lambda r=radix: call(prefix + prime, 1, r))[0] for radix in (False, True)}
+    cold = {radix: timed(lambda r=radix: call(prefix + prime, 1, r), device)[0] for radix in (False, True)}
     if args.profile:
         return profile(device, lambda q, new, r: call(prefix + q, new, r), q_a, q_b, args.trace_dir)
     computed_before = engine.stats.computed_tokens
@@ -119,7 +121,7 @@ def run(args: argparse.Namespace) -> dict:
         for q in qs:
             outs = {}
             for name, radix in (("default", False), ("radix", True)):
-                elapsed, outs[name] = timed(device, lambda q=q, new=new, r=radix: call(prefix + q, new, r))
+                elapsed, outs[name] = timed(lambda q=q, new=new, r=radix: call(prefix + q, new, r), device)
                 times[name][part].append(elapsed)
             if part == "call4":
                 agree += int(torch.equal(outs["default"], outs["radix"]))
