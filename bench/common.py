@@ -60,11 +60,37 @@ def sync(device: torch.device | str | None = None) -> None:
         torch.cuda.synchronize(device)
 
 
-@dataclass
 class Timer:
-    """What `timer` measured: `seconds`, set when its block ends."""
+    """A context manager timing its block (made by `timer`): `seconds` (also `ms`, `us`) once it ends.
 
-    seconds: float = float("nan")
+    A class rather than a generator, so the host work it adds inside the timed span is two attribute
+    reads: hooks that time every aten op stay accurate.
+    """
+
+    def __init__(self, device: torch.device | str | None, sync: bool, events: bool):
+        self.device, self.events = device, events
+        self.wait = sync and (events or cuda_in_use(device))
+        self.seconds = float("nan")
+
+    def __enter__(self) -> Timer:
+        if self.wait:
+            _sync(self.device)
+        if self.events:
+            self._start_event = torch.cuda.Event(enable_timing=True)
+            self._end_event = torch.cuda.Event(enable_timing=True)
+            self._start_event.record()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.events:
+            self._end_event.record()
+            self._end_event.synchronize()
+            self.seconds = self._start_event.elapsed_time(self._end_event) / 1e3
+            return
+        if self.wait:
+            _sync(self.device)
+        self.seconds = time.perf_counter() - self._start
 
     @property
     def ms(self) -> float:
@@ -75,35 +101,15 @@ class Timer:
         return self.seconds * 1e6
 
 
-@contextlib.contextmanager
-def timer(device: torch.device | str | None = None, *, sync: bool = True, events: bool = False
-          ) -> Iterator[Timer]:
-    """Times its block; the seconds are in the yielded `Timer` when the block ends.
+def timer(device: torch.device | str | None = None, *, sync: bool = True, events: bool = False) -> Timer:
+    """Times a `with` block; the seconds are in the `Timer` it yields once the block ends.
 
     `sync` (default): waits for the GPU before and after the block when CUDA is in use (`device`, or any
     initialized CUDA), so the time counts the GPU work the block launched. `sync=False`: host time alone.
     `events=True`: GPU time from CUDA events recorded on the current stream before and after the block
     (`sync` waits for earlier work first); needs CUDA.
     """
-    result = Timer()
-    if events:
-        if sync:
-            _sync(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield result
-        end.record()
-        end.synchronize()
-        result.seconds = start.elapsed_time(end) / 1e3
-        return
-    wait = sync and cuda_in_use(device)
-    if wait:
-        _sync(device)
-    started = time.perf_counter()
-    yield result
-    if wait:
-        _sync(device)
-    result.seconds = time.perf_counter() - started
+    return Timer(device, sync, events)
 
 
 _sync = sync  # `timer`'s own parameter is called sync
