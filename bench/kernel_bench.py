@@ -503,6 +503,8 @@ def print_extend_summary(ext: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+# Run in a fresh process: its clock starts before anything is imported (torch included), so it cannot import
+# common.timer, whose module imports torch and transformers first.
 _LOAD_SNIPPET = """
 import time, sys
 t0 = time.perf_counter()
