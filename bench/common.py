@@ -120,6 +120,21 @@ def timer(device: torch.device | str | None = None, *, sync: bool = True, events
 _sync = sync  # `timer`'s own parameter is called sync
 
 
+def timing_wrapper(fn: Callable, record: Callable[[float], None]) -> Callable:
+    """`fn`, with each call's host seconds (the GPU left running) passed to `record`, failed calls too: for
+    patching into a library to see where a step's host time goes."""
+
+    def wrapper(*args, **kwargs):
+        spent = timer(sync=False)
+        try:
+            with spent:
+                return fn(*args, **kwargs)
+        finally:
+            record(spent.seconds)
+
+    return wrapper
+
+
 def timed(fn: Callable[[], Any], device: torch.device | str | None = None, *, sync: bool = True
           ) -> tuple[float, Any]:
     """One call of `fn` timed by `timer`: (seconds, what it returned)."""
@@ -187,8 +202,17 @@ def parser_for(doc: str | None) -> argparse.ArgumentParser:
     return parser
 
 
-def generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of the benchmarks that time radix `generate` against the default cache."""
+def int_options(parser: argparse.ArgumentParser, **defaults: int) -> argparse.ArgumentParser:
+    """`--some-name N` for each `some_name=default` (an int option with that default)."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default, metavar="N")
+    return parser
+
+
+def generate_parser(doc: str | None) -> argparse.ArgumentParser:
+    """`parser_for(doc)` with the options of the benchmarks that time radix `generate` against the default
+    cache; their workload sizes default to None, filled in by `generate_device`."""
+    parser = parser_for(doc)
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 model, small workload (CPU check)")
     parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
     parser.add_argument("--page-size", type=int, default=1)
@@ -198,9 +222,13 @@ def generate_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
-def generate_device(args: argparse.Namespace) -> torch.device:
-    """The device of a `generate_arguments` benchmark: CUDA unless `--cpu` or none; on the CPU, at most four
-    threads. With `--tiny`, a pool of 8,192 tokens unless `--max-total-tokens` says otherwise."""
+def generate_device(args: argparse.Namespace, full: dict[str, int], tiny: dict[str, int]) -> torch.device:
+    """The device of a `generate_parser` benchmark: CUDA unless `--cpu` or none; on the CPU, at most four
+    threads. Sizes left unset take their `tiny` value with `--tiny` (and a pool of 8,192 tokens unless
+    `--max-total-tokens` says otherwise), else their `full` one."""
+    for name, value in (tiny if args.tiny else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     if args.tiny:
         args.max_total_tokens = args.max_total_tokens or 8192
     device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")

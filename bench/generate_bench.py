@@ -30,18 +30,12 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (  # noqa: E402
-    build_llama,
-    generate_arguments,
-    generate_device,
-    parser_for,
-    timed,
-    timer,
-    write_result,
-)
+from common import build_llama, generate_device, generate_parser, timed, timer, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 
+SIZES = dict(prefix=4096, question=64, questions=20)  # unless given; --tiny: TINY_SIZES
+TINY_SIZES = dict(prefix=256, question=16, questions=3)
 GOALS = {"ttft_speedup": 12.0, "call4_speedup": 6.5, "decode_ratio_max": 1.10, "state_check_max": 0.01}
 
 
@@ -70,7 +64,7 @@ def distinct_questions(gen: torch.Generator, count: int, length: int, vocab: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = generate_device(args)
+    device = generate_device(args, SIZES, TINY_SIZES)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
     model, init_s = build_model(args.tiny, device, dtype)
@@ -250,7 +244,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = generate_arguments(parser_for(__doc__))
+    parser = generate_parser(__doc__)
     parser.add_argument("--prefix", type=int, default=None, help="shared prefix tokens (4096; tiny: 256)")
     parser.add_argument("--question", type=int, default=None, help="question tokens (64; tiny: 16)")
     parser.add_argument("--questions", type=int, default=None, help="questions per part (20; tiny: 3)")
@@ -258,13 +252,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--trace-dir", type=Path, default=None, help="with --profile: write Chrome traces")
     parser.add_argument("--no-fused-ops", action="store_true", help="graphs keep HF's own norm/rope kernels")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.prefix = args.prefix or 256
-        args.question = args.question or 16
-        args.questions = args.questions or 3
-    args.prefix = args.prefix or 4096
-    args.question = args.question or 64
-    args.questions = args.questions or 20
     result = run(args)
     if args.profile:
         return result

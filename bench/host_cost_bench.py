@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import parser_for, timed, timer, write_result  # noqa: E402
+from common import int_options, parser_for, timed, timer, write_result  # noqa: E402
 
 from hf_radix import RadixBatchRunner, SamplingParams, forward_batch  # noqa: E402
 from hf_radix.cuda_graph import DecodeGraphs  # noqa: E402
@@ -297,11 +297,7 @@ def measure_scoring(args) -> dict:
 
 
 def main() -> None:
-    parser = parser_for(__doc__)
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--pool-tokens", type=int, default=110_000)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--questions", type=int, default=512)
+    parser = int_options(parser_for(__doc__), page_size=1, pool_tokens=110_000, new_tokens=64, questions=512)
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--skip-scoring", action="store_true")
     args = parser.parse_args()

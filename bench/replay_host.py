@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, parser_for, timer, write_result  # noqa: E402
+from common import build_llama, parser_for, timer, timing_wrapper, write_result  # noqa: E402
 from gsp import make_prompts, run_radix, step_summary  # noqa: E402
 
 import hf_radix.cache_manager  # noqa: E402
@@ -51,16 +51,7 @@ part_ms: dict[str, list[float]] = collections.defaultdict(list)
 def timing(owner, name: str):
     inner = getattr(owner, name)
     label = f"{getattr(owner, '__name__', owner)}.{name}"
-
-    def wrapper(*args, **kwargs):
-        spent = timer(sync=False)  # host time: the GPU is left running
-        try:
-            with spent:
-                return inner(*args, **kwargs)
-        finally:
-            part_ms[label].append(spent.ms)
-
-    return inner, wrapper
+    return inner, timing_wrapper(inner, lambda seconds: part_ms[label].append(1e3 * seconds))
 
 
 def timed_replay(graph: torch.cuda.CUDAGraph) -> None:

@@ -32,19 +32,13 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (  # noqa: E402
-    build_llama,
-    generate_arguments,
-    generate_device,
-    parser_for,
-    say,
-    timer,
-    write_result,
-)
+from common import build_llama, generate_device, generate_parser, say, timer, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 
 GIB = 2**30
+SIZES = dict(prompts=64, prompt_len=256, new_tokens=256)  # unless given; --tiny: TINY_SIZES
+TINY_SIZES = dict(prompts=4, prompt_len=32, new_tokens=16)
 
 
 def distinct_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> torch.Tensor:
@@ -62,7 +56,7 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = generate_device(args)
+    device = generate_device(args, SIZES, TINY_SIZES)
     cuda = device.type == "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
@@ -222,7 +216,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = generate_arguments(parser_for(__doc__))
+    parser = generate_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=None, help="prompts per call (64; tiny: 4)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (256; tiny: 32)")
     parser.add_argument("--samples", type=int, default=8, help="num_return_sequences")
@@ -237,13 +231,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--graph-max-batch", type=int, default=None,
                         help="decode graphs up to this many rows (default: the call's rows)")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.prompts = args.prompts or 4
-        args.prompt_len = args.prompt_len or 32
-        args.new_tokens = args.new_tokens or 16
-    args.prompts = args.prompts or 64
-    args.prompt_len = args.prompt_len or 256
-    args.new_tokens = args.new_tokens or 256
     try:
         result = run(args)
     except Exception:

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_machine, parser_for, timed, timer, write_result  # noqa: E402
+from common import cpu_machine, int_options, parser_for, timed, timer, write_result  # noqa: E402
 
 from hf_radix import schedule_policy  # noqa: E402
 from hf_radix import scheduler as scheduler_module  # noqa: E402
@@ -268,11 +268,7 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
 
 
 def main() -> None:
-    ap = parser_for(__doc__)
-    ap.add_argument("--prompts", type=int, default=50_000)
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=32)
+    ap = int_options(parser_for(__doc__), prompts=50_000, groups=64, prefix_len=512, suffix_len=32)
     ap.add_argument("--zero-reuse", type=int, default=1000, help="prompts sharing nothing with the others")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scheduled", action="store_true",

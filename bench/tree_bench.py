@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_machine, parser_for, timed, timer, write_result  # noqa: E402
+from common import cpu_machine, int_options, parser_for, timed, timer, write_result  # noqa: E402
 
 from hf_radix.radix_tree import RadixPrefixCache  # noqa: E402
 
@@ -64,14 +64,8 @@ def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: 
 
 
 def main() -> None:
-    ap = parser_for(__doc__)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--prompts", type=int, default=10_000)
-    ap.add_argument("--prefix-len", type=int, default=2048)
-    ap.add_argument("--suffix-len", type=int, default=256)
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=32_000)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = int_options(parser_for(__doc__), groups=8, prompts=10_000, prefix_len=2048, suffix_len=256,
+                     page_size=1, vocab=32_000, seed=0)
     args = ap.parse_args()
     wall, res = timed(lambda: run(args.groups, args.prompts, args.prefix_len, args.suffix_len, args.page_size,
                                   args.vocab, args.seed), sync=False)

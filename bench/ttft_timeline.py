@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, parser_for, timer, write_result  # noqa: E402
+from common import build_llama, parser_for, timer, timing_wrapper, write_result  # noqa: E402
 from generate_bench import distinct_questions  # noqa: E402
 
 import hf_radix  # noqa: E402
@@ -122,15 +122,10 @@ def accumulate(owner, name: str) -> None:
     key = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
     key = ".".join(key)
 
-    def wrapper(*args, **kwargs):
-        spent = timer(sync=False)  # host time: the GPU is left running
-        try:
-            with spent:
-                return original(*args, **kwargs)
-        finally:
-            STAMPS.spent[key] = STAMPS.spent.get(key, 0.0) + spent.ms
+    def add(seconds: float) -> None:
+        STAMPS.spent[key] = STAMPS.spent.get(key, 0.0) + 1e3 * seconds
 
-    setattr(owner, name, wrapper)
+    setattr(owner, name, timing_wrapper(original, add))
 
 
 def main() -> None:
