@@ -4,7 +4,7 @@
 # by an earlier one). Result files record the command and the git commit: where the copy of the tree has no
 # .git, pass the commit in, e.g. `HF_RADIX_COMMIT=$(git rev-parse HEAD)` expanded on the machine that has it.
 # Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [rl] [warmtests]
-# Results kept: copy $OUT/<name>.json and .log to bench/results/<name>_h200.{json,log} (see bench/results/README.md).
+# Results kept: copy $OUT/<name>.json and .log to bench/results/<name>_h200.{json,log} (see bench/README.md).
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export HF_RADIX_COMMIT=${HF_RADIX_COMMIT:-unknown}
