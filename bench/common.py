@@ -38,12 +38,10 @@ import transformers
 
 from hf_radix.tiny import tiny_config
 
-# fmt: off
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
                 pad_token_id=0)
-# fmt: on
 
 
 # ------------------------------------------------------------------------------------------------- timing
