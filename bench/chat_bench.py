@@ -8,16 +8,14 @@ Llama-3.1-8B shape with random bf16 weights on the GPU (`--layers` for a shallow
 width); `--tiny` is a CPU self-check of every step. Each configuration is one part: the JSON is rewritten
 after each, and a part that fails is recorded there while the others still run.
 
-    python bench/chat_bench.py --out bench/results/chat_bench_h200.json
+    python bench/chat_bench.py --json bench/results/chat_bench_h200.json
     python bench/chat_bench.py --tiny
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import ResultFile, bench_device, model_arguments, say, seeded_model, sync  # noqa: E402
+from common import ResultFile, bench_device, model_arguments, parser_for, say, seeded_model, timer  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
@@ -45,10 +43,27 @@ def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: s
     stats = runner.stats
     before = (stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens)
     per_turn = []
-    sync(device)
-    start = time.perf_counter()
-    for turn in range(shape["turns"]):
-        turn_start, turn_before = time.perf_counter(), (stats.prompt_tokens, stats.cached_tokens)
+    with timer(device) as whole:
+        for turn in range(shape["turns"]):
+            per_turn.append(one_turn(runner, shape, histories, answers, params, rng, vocab, device))
+            say(f"{label} turn {turn + 1}/{shape['turns']}: {per_turn[-1]['seconds']:.2f}s, "
+                f"hit rate {per_turn[-1]['hit_rate']:.3f}")
+    seconds = whole.seconds
+    prompt, cached, host = (now - was for now, was in zip(
+        (stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens), before))
+    return {
+        "seconds": seconds, "prompt_tokens": prompt, "cached_tokens": cached, "host_cached_tokens": host,
+        "gpu_cached_tokens": cached - host, "hit_rate": cached / prompt, "per_turn": per_turn,
+        "answers": answers,
+    }
+
+
+def one_turn(runner: RadixBatchRunner, shape: dict, histories: list[list[int]], answers: list[list[int]],
+             params: SamplingParams, rng: np.random.Generator, vocab: int, device: str) -> dict:
+    """One turn of every conversation, in waves: each history gets a user message and the answer."""
+    stats = runner.stats
+    turn_before = (stats.prompt_tokens, stats.cached_tokens)
+    with timer(device) as t:
         for history in histories:
             history += rng.integers(10, vocab, shape["user_len"]).tolist()
         for first in range(0, len(histories), shape["wave"]):
@@ -59,20 +74,8 @@ def chat(runner: RadixBatchRunner, shape: dict, vocab: int, seed: int, device: s
                     raise RuntimeError(out.error)
                 history += out.token_ids
                 answers.append(out.token_ids)
-        sync(device)
-        prompt = stats.prompt_tokens - turn_before[0]
-        per_turn.append({"seconds": time.perf_counter() - turn_start,
-                         "hit_rate": (stats.cached_tokens - turn_before[1]) / prompt})
-        say(f"{label} turn {turn + 1}/{shape['turns']}: {per_turn[-1]['seconds']:.2f}s, "
-            f"hit rate {per_turn[-1]['hit_rate']:.3f}")
-    seconds = time.perf_counter() - start
-    prompt, cached, host = (now - was for now, was in zip(
-        (stats.prompt_tokens, stats.cached_tokens, stats.host_cached_tokens), before))
-    return {
-        "seconds": seconds, "prompt_tokens": prompt, "cached_tokens": cached, "host_cached_tokens": host,
-        "gpu_cached_tokens": cached - host, "hit_rate": cached / prompt, "per_turn": per_turn,
-        "answers": answers,
-    }
+    prompt = stats.prompt_tokens - turn_before[0]
+    return {"seconds": t.seconds, "hit_rate": (stats.cached_tokens - turn_before[1]) / prompt}
 
 
 def summarize(results: dict) -> dict:
@@ -90,9 +93,7 @@ def summarize(results: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = model_arguments(argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ))
+    parser = model_arguments(parser_for(__doc__))
     for key in FULL:
         parser.add_argument(f"--{key.replace('_', '-')}", type=int)
     parser.add_argument("--pool-fraction", type=float, default=0.25, help="small pool / all final histories")
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown configs {sorted(unknown)}; choose from {CONFIGS}")
     file = ResultFile(
-        args.out, args,
+        args.json, args,
         workload={**shape, "all_history_tokens": all_histories, "small_pool_tokens": small},
         goals="host_tier: hit_rate_vs_unbounded >= 0.9 and time_vs_unbounded <= 1.2",
     )

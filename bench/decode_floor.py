@@ -11,7 +11,6 @@ sampling are left out, so the floors are lower bounds.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, parser_for, timer, write_result  # noqa: E402
 
 PEAK_BYTES_S = 4.3e12  # the H200's HBM bandwidth, as the shared-prefix kernel goal counts it
 KV_BYTES_PER_TOKEN = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x KV heads x head dim x bf16
@@ -58,13 +57,10 @@ def linears_ms(model, rows: int, head_rows: int, replays: int = 20) -> tuple[flo
             body()
         for _ in range(3):
             graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-    return start.elapsed_time(end) / replays, flop / 1e12
+        with timer(events=True, sync=False) as t:
+            for _ in range(replays):
+                graph.replay()
+    return t.ms / replays, flop / 1e12
 
 
 def attention_floor_ms(prefix_tokens: int, suffix_tokens: int) -> float:
@@ -73,8 +69,7 @@ def attention_floor_ms(prefix_tokens: int, suffix_tokens: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path)
+    parser = parser_for(__doc__)
     parser.add_argument("--gsp", type=Path, default=Path(__file__).parent / "results" / "gsp_h200.json",
                         help="the measured gsp run to compare with")
     args = parser.parse_args()
@@ -94,7 +89,6 @@ def main() -> None:
     floor_16x16_s = (prefill_tokens / 8192 * chunk_ms + 128 * (decode_ms + attn_16x16)) / 1e3
     g16 = gsp.get("groups16", {})
     result = {
-        "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "decode_256_rows": {
@@ -116,9 +110,7 @@ def main() -> None:
         },
         "left_out": "norms, RoPE, activations, residual adds, sampling and prefill attention (lower bounds)",
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

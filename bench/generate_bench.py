@@ -12,7 +12,7 @@ process. Measured per question, median over the questions (warm-up and a priming
 the engine's warm-up (every graph captured, eager kernels compiled; `warm_up_s` splits it), which the
 first radix generate on a model runs once. `cold_ttft_s` is the priming call that computes the prefix.
 
-    python bench/generate_bench.py --json bench/results/generate_h200.json
+    python bench/generate_bench.py --json bench/results/generate_bench_h200.json
     python bench/generate_bench.py --tiny            # CPU self-check: tiny model, seconds
 """
 
@@ -22,7 +22,6 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,42 +30,29 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, write_result  # noqa: E402
+from common import build_llama, generate_device, generate_parser, timed, timer, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 
+SIZES = dict(prefix=4096, question=64, questions=20)  # unless given; --tiny: TINY_SIZES
+TINY_SIZES = dict(prefix=256, question=16, questions=3)
 GOALS = {"ttft_speedup": 12.0, "call4_speedup": 6.5, "decode_ratio_max": 1.10, "state_check_max": 0.01}
 
 
 def build_model(tiny: bool, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, float]:
     """The benchmark model built directly on `device`; returns it and the seconds it took."""
-    start = time.perf_counter()
-    model = build_llama(tiny, device, dtype)
-    sync(device)
-    return model, time.perf_counter() - start
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(device: torch.device, fn: Callable[[], torch.Tensor]) -> tuple[float, torch.Tensor]:
-    sync(device)
-    start = time.perf_counter()
-    out = fn()
-    sync(device)
-    return time.perf_counter() - start, out
+    with timer(device) as t:
+        model = build_llama(tiny, device, dtype)
+    return model, t.seconds
 
 
 def time_state_check(model: torch.nn.Module, engine, repeats: int = 2000) -> list[float]:
     """Seconds of the model-state check a radix call starts with (engine lookup + sync), unchanged model."""
     out = []
     for _ in range(repeats):
-        start = time.perf_counter()
-        with engine.lock:
+        with timer(sync=False) as t, engine.lock:
             hf_radix.get_engine(model).sync_model_state()
-        out.append(time.perf_counter() - start)
+        out.append(t.seconds)
     return out
 
 
@@ -78,7 +64,7 @@ def distinct_questions(gen: torch.Generator, count: int, length: int, vocab: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    device = generate_device(args, SIZES, TINY_SIZES)
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
     model, init_s = build_model(args.tiny, device, dtype)
@@ -112,11 +98,11 @@ def run(args: argparse.Namespace) -> dict:
     for radix in (False, True):
         for i, q in enumerate(warm_other):
             for new in (1, 4, 3):
-                elapsed, _ = timed(device, lambda q=q, new=new, r=radix: call(other_prefix + q, new, r))
+                elapsed, _ = timed(lambda q=q, new=new, r=radix: call(other_prefix + q, new, r), device)
                 if i == 0 and new == 1:
                     first[radix] = elapsed
     # priming: the first call with the shared prefix computes it (the radix cold start)
-    cold = {radix: timed(device, lambda r=radix: call(prefix + prime, 1, r))[0] for radix in (False, True)}
+    cold = {radix: timed(lambda r=radix: call(prefix + prime, 1, r), device)[0] for radix in (False, True)}
     if args.profile:
         return profile(device, lambda q, new, r: call(prefix + q, new, r), q_a, q_b, args.trace_dir)
     computed_before = engine.stats.computed_tokens
@@ -129,7 +115,7 @@ def run(args: argparse.Namespace) -> dict:
         for q in qs:
             outs = {}
             for name, radix in (("default", False), ("radix", True)):
-                elapsed, outs[name] = timed(device, lambda q=q, new=new, r=radix: call(prefix + q, new, r))
+                elapsed, outs[name] = timed(lambda q=q, new=new, r=radix: call(prefix + q, new, r), device)
                 times[name][part].append(elapsed)
             if part == "call4":
                 agree += int(torch.equal(outs["default"], outs["radix"]))
@@ -205,10 +191,9 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
     for radix, name in ((False, "default"), (True, "radix")):
         for q, new in ((q_a[0], 1), (q_b[0], 17)):
             stats = cProfile.Profile()
-            sync(device)
-            stats.enable()
-            call(q, new, radix)
-            sync(device)
+            with timer(device):
+                stats.enable()
+                call(q, new, radix)
             stats.disable()
             out = io.StringIO()
             pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(18)
@@ -219,9 +204,8 @@ def profile(device: torch.device, call: Callable, q_a: list[list[int]], q_b: lis
             print(f"\n===== {name}, max_new_tokens={new}: hf_radix and generate, by cumulative time =====")
             print("\n".join(out.getvalue().splitlines()[:50]))
         for q, new in ((q_a[1], 1), (q_b[1], 9)):
-            with torch.profiler.profile() as prof:
+            with torch.profiler.profile() as prof, timer(device):
                 call(q, new, radix)
-                sync(device)
             print(f"\n===== {name}, max_new_tokens={new}: kernels and ops by GPU time =====")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
             print(f"\n===== {name}, max_new_tokens={new}: ops by host time (launch costs, syncs) =====")
@@ -260,40 +244,19 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny fp32 model on short prompts")
-    parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
+    parser = generate_parser(__doc__)
     parser.add_argument("--prefix", type=int, default=None, help="shared prefix tokens (4096; tiny: 256)")
     parser.add_argument("--question", type=int, default=None, help="question tokens (64; tiny: 16)")
     parser.add_argument("--questions", type=int, default=None, help="questions per part (20; tiny: 3)")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="pool size (default: half free)")
-    parser.add_argument("--json", type=Path, default=None, help="write every number here")
     parser.add_argument("--profile", action="store_true", help="print where the time goes instead of timing")
     parser.add_argument("--trace-dir", type=Path, default=None, help="with --profile: write Chrome traces")
-    parser.add_argument("--no-cuda-graph", action="store_true", help="radix forwards run eagerly")
     parser.add_argument("--no-fused-ops", action="store_true", help="graphs keep HF's own norm/rope kernels")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.prefix = args.prefix or 256
-        args.question = args.question or 16
-        args.questions = args.questions or 3
-        args.max_total_tokens = args.max_total_tokens or 8192
-    args.prefix = args.prefix or 4096
-    args.question = args.question or 64
-    args.questions = args.questions or 20
-    if not torch.cuda.is_available() or args.cpu:
-        torch.set_num_threads(min(torch.get_num_threads(), 4))
     result = run(args)
     if args.profile:
         return result
     print_table(result)
     write_result(result, args.json, echo=False)
-    if args.json:
-        print(f"wrote {args.json}")
     return result
 
 

@@ -15,11 +15,9 @@ attention, the engine's counter), so a run shows it was on; `--no-shared-prefix`
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +25,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, parser_for, timed, timer, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
@@ -47,20 +45,13 @@ def make_prompts(
     return prompts
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def run_hf(
     model, prompts: list[list[int]], new_tokens: int, batch_size: int, device: str
 ) -> tuple[float, list]:
     """Plain generate, static batches (prompts are equal-length so no padding), sdpa attention."""
     model.config._attn_implementation = "sdpa"
     outs = []
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
+    with timer(device) as t, torch.inference_mode():
         for i in range(0, len(prompts), batch_size):
             ids = torch.tensor(prompts[i : i + batch_size], device=device)
             out = model.generate(
@@ -72,8 +63,7 @@ def run_hf(
                 pad_token_id=0,
             )
             outs.extend(out[:, ids.shape[1] :].tolist())
-    sync(device)
-    return time.perf_counter() - start, outs
+    return t.seconds, outs
 
 
 def step_summary(runner: RadixBatchRunner, since: int) -> dict:
@@ -91,11 +81,8 @@ def step_summary(runner: RadixBatchRunner, since: int) -> dict:
 
 def run_radix(runner: RadixBatchRunner, prompts, new_tokens: int, device: str) -> tuple[float, list]:
     runner.reset_cache()
-    sync(device)
-    start = time.perf_counter()
-    outs = runner.run(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), progress=False)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    elapsed, outs = timed(lambda: runner.run(prompts, params, progress=False), device)
     runner.check_integrity()
     return elapsed, outs
 
@@ -169,9 +156,8 @@ def shared_part(model, runner: RadixBatchRunner, shape: tuple[int, int, int, int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = parser_for(__doc__)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized self-check")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--hf-batch", type=int, default=128)
     parser.add_argument("--skip-zero-reuse", action="store_true")
     parser.add_argument("--groups16", action="store_true", help="also the 16x16 variant (key groups16)")
@@ -187,9 +173,7 @@ def main() -> None:
     groups, per_group, system_len, question_len, new_tokens = main_shape
     model = build_llama(args.tiny, device)
     vocab = model.config.vocab_size
-    sync(device)
-    started = time.perf_counter()
-    runner = RadixBatchRunner(
+    setup_s, runner = timed(lambda: RadixBatchRunner(
         model,
         max_total_tokens=200_000 if device == "cuda" else 4096,
         mem_fraction=0.4,
@@ -198,9 +182,7 @@ def main() -> None:
         cuda_graph=not args.no_cuda_graph,
         profile=device == "cuda",
         shared_prefix=not args.no_shared_prefix,
-    )
-    sync(device)
-    setup_s = time.perf_counter() - started
+    ), device)
     results: dict = {
         "workload": f"gsp-{groups}x{per_group}",
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
@@ -215,7 +197,6 @@ def main() -> None:
         "cuda_graph": runner.model_runner.has_graphs,
         "shared_prefix": runner.model_runner.shared_prefix,
         "setup": {"runner_s": setup_s, **{f"warm_up_{k}": v for k, v in runner.warm_up_times.items()}},
-        "command": " ".join(sys.argv),
     }
     results["shared"] = shared_part(model, runner, main_shape, hf_batch, device)
     print(json.dumps(results["shared"], indent=1))
@@ -241,8 +222,7 @@ def main() -> None:
             r = results[name]
             print(f"{name:<14}{r['radix_s']:>12.2f}{r['hf_generate_s']:>15.2f}{r['speedup']:>8.2f}"
                   f"{r['shared_prefix_steps']:>14}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_result(results, args.json, echo=False)
     print(hf_radix.cache_stats(model))
 
 

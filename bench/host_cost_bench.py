@@ -21,7 +21,6 @@ Run: `python bench/host_cost_bench.py --json bench/results/host_cost_cpu.json`.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import cProfile
 import io
@@ -29,7 +28,6 @@ import json
 import pstats
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,9 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import int_options, parser_for, timed, timer, write_result  # noqa: E402
+
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
 from hf_radix.forward.cuda_graph import DecodeGraphs  # noqa: E402
-from hf_radix.paged_attention import forward_batch
+from hf_radix.paged_attention import forward_batch  # noqa: E402
 from hf_radix.tiny import tiny_model  # noqa: E402
 
 VOCAB = 1024
@@ -108,9 +108,9 @@ class _OpTimer(TorchDispatchMode):
         self.seconds = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        started = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        self.seconds += time.perf_counter() - started
+        with timer(sync=False) as t:
+            out = func(*args, **(kwargs or {}))
+        self.seconds += t.seconds
         self.ops += 1
         return out
 
@@ -122,9 +122,9 @@ def _argmax_seconds(spent: list[float]):
     real = torch.Tensor.argmax
 
     def argmax(self, *args, **kwargs):
-        started = time.perf_counter()
-        out = real(self, *args, **kwargs)
-        spent[-1] += time.perf_counter() - started
+        with timer(sync=False) as t:
+            out = real(self, *args, **kwargs)
+        spent[-1] += t.seconds
         return out
 
     spent.append(0.0)
@@ -151,26 +151,23 @@ def _timed_steps(runner, prompts, params, is_decode, hook) -> tuple[list[float],
     def launch(items):
         if not is_decode(items):
             return real_launch(items)
-        started = time.perf_counter()
-        with hook():
+        with timer(sync=False) as t, hook():
             launched = real_launch(items)
-        launches.append(time.perf_counter() - started)
+        launches.append(t.seconds)
         return launched
 
     def complete(launched):
-        started = time.perf_counter()
-        real_complete(launched)
+        with timer(sync=False) as t:
+            real_complete(launched)
         if launched.decode:
-            completions.append(time.perf_counter() - started)
+            completions.append(t.seconds)
 
     scheduler._launch, scheduler._complete = launch, complete
     runner.reset_cache()
-    started = time.perf_counter()
     try:
-        runner.run(prompts, params, progress=False)
+        wall, _ = timed(lambda: runner.run(prompts, params, progress=False), sync=False)
     finally:
         del scheduler._launch, scheduler._complete
-    wall = time.perf_counter() - started
     runner.check_integrity()
     return [a + b for a, b in zip(launches, completions)], wall
 
@@ -274,45 +271,39 @@ def measure_scoring(args) -> dict:
 
     def run(hook) -> float:
         runner.reset_cache()
-        started = time.perf_counter()
-        with hook():
-            runner.loglikelihood(pairs, progress=False)
-        runner.check_integrity()
-        return time.perf_counter() - started
+        with timer(sync=False) as t:
+            with hook():
+                runner.loglikelihood(pairs, progress=False)
+            runner.check_integrity()
+        return t.seconds
 
     forwards_before = runner.stats.forward_calls
     wall = run(contextlib.nullcontext)
     forwards = runner.stats.forward_calls - forwards_before
-    timer = _OpTimer()
-    run(lambda: timer)
+    op_timer = _OpTimer()
+    run(lambda: op_timer)
     profile = cProfile.Profile()
     run(lambda: _profiling(profile))
     return {
         "pairs": len(pairs),
         "forwards": forwards,
         "host_s_cpu": wall,
-        "aten_ops": timer.ops,
-        "aten_s_cpu": timer.seconds,
-        "python_s": wall - timer.seconds,
-        "host_s_gpu_estimate": wall - timer.seconds + timer.ops * LAUNCH_US / 1e6,
+        "aten_ops": op_timer.ops,
+        "aten_s_cpu": op_timer.seconds,
+        "python_s": wall - op_timer.seconds,
+        "host_s_gpu_estimate": wall - op_timer.seconds + op_timer.ops * LAUNCH_US / 1e6,
         "python_calls": pstats.Stats(profile).total_calls,
         "profile_top": _top(profile),
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--pool-tokens", type=int, default=110_000)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--questions", type=int, default=512)
+    parser = int_options(parser_for(__doc__), page_size=1, pool_tokens=110_000, new_tokens=64, questions=512)
     parser.add_argument("--no-overlap", action="store_true")
     parser.add_argument("--skip-scoring", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results = {
-        "command": "python " + " ".join(sys.argv),
         "torch": torch.__version__,
         "page_size": args.page_size,
         "overlap": not args.no_overlap,
@@ -326,8 +317,7 @@ def main() -> None:
         if name in results:
             print(f"== {name}\n{results[name]['profile_top']}")
             print(json.dumps({k: v for k, v in results[name].items() if k != "profile_top"}, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    write_result(results, args.json, echo=False)
 
 
 if __name__ == "__main__":

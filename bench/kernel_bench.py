@@ -21,13 +21,11 @@ Usage: python bench/kernel_bench.py [--json PATH] [--quick] [--only decode|exten
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +36,7 @@ import triton.testing
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
-from common import write_result  # noqa: E402
+from common import parser_for, timed, timer, write_result  # noqa: E402
 from test_kernels import ref_attention_row  # noqa: E402 - the float64 attention reference of the tests
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
@@ -505,6 +503,8 @@ def print_extend_summary(ext: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
+# Run in a fresh process: its clock starts before anything is imported (torch included), so it cannot import
+# common.timer, whose module imports torch and transformers first.
 _LOAD_SNIPPET = """
 import time, sys
 t0 = time.perf_counter()
@@ -538,10 +538,10 @@ def store_host_breakdown(pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
     for name, fn in pieces.items():
         fn()
         torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        out[name] = (time.perf_counter() - t0) / n * 1e6
+        with timer(sync=False) as t:
+            for _ in range(n):
+                fn()
+        out[name] = t.us / n
         torch.cuda.synchronize()
     parts = ", ".join(f"{k_}={v:.1f}" for k_, v in out.items())
     print(f"store host breakdown (us/call): {parts}", flush=True)
@@ -552,9 +552,7 @@ def bench_store() -> dict[str, Any]:
     res: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["HF_RADIX_CACHE_DIR"] = tmp
-        t0 = time.perf_counter()
-        store_mod.build_store_kernel()
-        res["first_build_s"] = time.perf_counter() - t0
+        res["first_build_s"], _ = timed(store_mod.build_store_kernel, sync=False)
         res["first_build_info"] = dict(store_mod.STORE_BUILD_INFO)
         # cached load in a fresh process (import of the module + ctypes load, no nvcc compile)
         out = subprocess.run(
@@ -605,10 +603,10 @@ def bench_store() -> dict[str, Any]:
     torch.cuda.synchronize()
     n = 2000
     for backend in ("cuda", "torch"):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            store_mod.store_kv(pool[0], pool[1], small_loc, small_k, small_k, backend=backend)
-        host = (time.perf_counter() - t0) / n
+        with timer(sync=False) as t:
+            for _ in range(n):
+                store_mod.store_kv(pool[0], pool[1], small_loc, small_k, small_k, backend=backend)
+        host = t.seconds / n
         torch.cuda.synchronize()
         res[f"host_us_per_call_{backend}"] = host * 1e6
     cached_s = res.get("cached_load_s", float("nan"))
@@ -621,8 +619,7 @@ def bench_store() -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", type=Path, default=None, help="write results to this JSON file")
+    ap = parser_for(__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--only", choices=["decode", "extend", "store"], default=None)
     ap.add_argument("--old-ref", default="710e311",
@@ -686,8 +683,6 @@ def main() -> None:
                 f"torch index_copy_ {s[name]['ms_torch_index_copy'] * 1e3:.1f} us"
             )
     write_result(results, args.json, echo=False)
-    if args.json:
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ weights where they are placed (each TP shard on its rank, each device_map layer 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import LLAMA_8B, build_llama  # noqa: E402
+from common import LLAMA_8B, build_llama, git_commit, parser_for, timed  # noqa: E402
 from gsp import make_prompts, run_hf  # noqa: E402
 
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
@@ -56,11 +54,6 @@ LLAMA_70B = {  # Llama-3.1-70B: the 8B shape's vocabulary, rope and heads of 128
 }
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def setup(tiny: bool) -> tuple[torch.device, object]:
     """Joins the torchrun group; returns this rank's device and a gloo group for waiting off the GPU."""
     cuda = torch.cuda.is_available() and not tiny
@@ -74,11 +67,8 @@ def setup(tiny: bool) -> tuple[torch.device, object]:
 
 def timed_run(runner, prompts, new_tokens: int, device: torch.device) -> tuple[float, list]:
     runner.reset_cache()
-    sync(device)
-    start = time.perf_counter()
-    outs = runner.run(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True), progress=False)
-    sync(device)
-    return time.perf_counter() - start, outs
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    return timed(lambda: runner.run(prompts, params, progress=False), device)
 
 
 def hit_rate(outs, prompts) -> float:
@@ -184,9 +174,8 @@ def part_tp(args) -> dict:
         stub_checkpoint(args.stub_dir, args.tiny)
     dist.barrier(group=waiting)
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.stub_dir, tp_plan="auto", dtype=dtype)
-    load_s = time.perf_counter() - start
+    load_s, model = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
+        args.stub_dir, tp_plan="auto", dtype=dtype), sync=False)
     _prepare(model)
     prompts, new_tokens = gsp_8x32(args.tiny, model.config.vocab_size)
     pool = 4096 if args.tiny else 200_000
@@ -223,13 +212,11 @@ def part_hf(args) -> dict:
     hf_radix on that same model (its pool placed per layer on each layer's GPU)."""
     tiny = args.tiny or not torch.cuda.is_available()
     stub_checkpoint(args.stub_dir, tiny)
-    start = time.perf_counter()
     budget = {int(k) if str(k).isdigit() else k: v for k, v in args.max_memory.items()}
     placement = dict(device_map="cpu") if tiny else dict(device_map="auto", max_memory=budget)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+    load_s, model = timed(lambda: transformers.AutoModelForCausalLM.from_pretrained(
         args.stub_dir, dtype=torch.float32 if tiny else torch.bfloat16, **placement
-    )
-    load_s = time.perf_counter() - start
+    ), sync=False)
     _prepare(model)
     device = torch.device("cpu" if tiny else "cuda")
     prompts, new_tokens = gsp_8x32(tiny, model.config.vocab_size)
@@ -261,12 +248,9 @@ def part_hf(args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = parser_for(__doc__)
     parser.add_argument("--part", choices=("dp", "tp", "hf"), required=True)
     parser.add_argument("--tiny", action="store_true", help="CPU-sized self-check (gloo)")
-    parser.add_argument("--json", type=Path)
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument(
         "--max-memory", type=json.loads, default={0: "75GiB", 1: "75GiB"},
@@ -285,6 +269,7 @@ def main() -> None:
             merged = json.loads(args.json.read_text()) if args.json.exists() else {}
             merged.update(results)
             merged.setdefault("commands", {})[args.part] = command
+            merged["git_commit"] = git_commit()
             merged["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
             merged["transformers"], merged["torch"] = transformers.__version__, torch.__version__
             if "tp" in merged and "hf_device_map" in merged:

@@ -6,49 +6,44 @@ prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 w
 profiles decode steps alone: the gsp prompts are cached by a first run, so a run of 64 new tokens computes
 one prompt token a row and then decodes.
 
-    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128]
+    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128] [--json PATH]
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, measure, parser_for, timer, write_result  # noqa: E402
 from score_bench import make_workload  # noqa: E402
 
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
 
 
-def profiled(name: str, fn) -> None:
-    """Runs `fn` once under cProfile and once under torch.profiler, after one warm run."""
-    fn()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    print(f"\n##### {name}: steady wall {time.perf_counter() - started:.3f} s")
+def profiled(name: str, fn, walls: dict) -> None:
+    """Runs `fn` once under cProfile and once under torch.profiler, after a warm run and a timed one (its
+    first and steady wall times go into `walls`)."""
+    timing = measure(fn, warmup=1, repeats=1, device="cuda")
+    walls[name] = timing.summary()
+    print(f"\n##### {name}: steady wall {timing.median_s:.3f} s (first {timing.first_s:.3f} s)")
     stats = cProfile.Profile()
     stats.enable()
-    fn()
-    torch.cuda.synchronize()
+    with timer("cuda"):
+        fn()
     stats.disable()
     out = io.StringIO()
     pstats.Stats(stats, stream=out).sort_stats("tottime").print_stats(25)
     print(f"===== {name}: Python by own time =====")
     print("\n".join(out.getvalue().splitlines()[:45]))
-    with torch.profiler.profile() as prof:
+    with torch.profiler.profile() as prof, timer("cuda"):
         fn()
-        torch.cuda.synchronize()
     print(f"===== {name}: ops by GPU time =====")
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=70))
     print(f"===== {name}: ops by host time (launches, graph launches, copies) =====")
@@ -56,15 +51,14 @@ def profiled(name: str, fn) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = parser_for(__doc__)
     parser.add_argument("--part", default="both", choices=["score", "gsp", "decode", "both"])
     parser.add_argument("--questions", type=int, default=128)
     args = parser.parse_args()
     model = build_llama(False, "cuda")
     vocab = model.config.vocab_size
     runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256)
+    walls: dict = {}
     if args.part in ("score", "both"):
         pairs = make_workload(args.questions, 4, 1500, 100, (5, 20), vocab, 0)
 
@@ -72,7 +66,7 @@ def main() -> None:
             runner.reset_cache()
             runner.loglikelihood(pairs, progress=False)
 
-        profiled(f"scoring {len(pairs)} pairs", score)
+        profiled(f"scoring {len(pairs)} pairs", score, walls)
     if args.part in ("gsp", "decode", "both"):
         gen = torch.Generator().manual_seed(0)
         prompts = []
@@ -89,9 +83,10 @@ def main() -> None:
             runner.run(prompts, SamplingParams(max_new_tokens=1), progress=False)
             decode_params = SamplingParams(max_new_tokens=64, ignore_eos=True)
             profiled("gsp-8x32 decode, prompts cached, 64 new tokens",
-                     lambda: runner.run(prompts, decode_params, progress=False))
+                     lambda: runner.run(prompts, decode_params, progress=False), walls)
         else:
-            profiled("gsp-8x32, 16 new tokens", gsp)
+            profiled("gsp-8x32, 16 new tokens", gsp, walls)
+    write_result({"wall_s": walls}, args.json, echo=False)
 
 
 if __name__ == "__main__":

@@ -9,19 +9,16 @@ graph's replay call and the rest against the decode step's host time (`step_summ
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, parser_for, timer, timing_wrapper, write_result  # noqa: E402
 from gsp import make_prompts, run_radix, step_summary  # noqa: E402
 
 import hf_radix.forward.cuda_graph  # noqa: E402
@@ -54,26 +51,17 @@ part_ms: dict[str, list[float]] = collections.defaultdict(list)
 def timing(owner, name: str):
     inner = getattr(owner, name)
     label = f"{getattr(owner, '__name__', owner)}.{name}"
-
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return inner(*args, **kwargs)
-        finally:
-            part_ms[label].append(1e3 * (time.perf_counter() - start))
-
-    return inner, wrapper
+    return inner, timing_wrapper(inner, lambda seconds: part_ms[label].append(1e3 * seconds))
 
 
 def timed_replay(graph: torch.cuda.CUDAGraph) -> None:
-    start = time.perf_counter()
-    _replay(graph)
-    replay_ms.append((id(graph), 1e3 * (time.perf_counter() - start)))
+    with timer(sync=False) as spent:
+        _replay(graph)
+    replay_ms.append((id(graph), spent.ms))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path)
+    parser = parser_for(__doc__)
     parser.add_argument("--tiny", action="store_true", help="CPU self-check: tiny model and shapes")
     args = parser.parse_args()
     device = "cpu" if args.tiny else "cuda"
@@ -102,7 +90,6 @@ def main() -> None:
         by_graph[key].append(ms)
     decode = max(by_graph.values(), key=len, default=[])
     result = {
-        "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if not args.tiny else "cpu",
         "torch": torch.__version__,
         **steps,
@@ -112,9 +99,7 @@ def main() -> None:
                      for label, v in part_ms.items()},
         "raw_in_run_ms": [round(x, 3) for x in decode],
     }
-    print(json.dumps(result, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import argparse
 import platform
 import statistics
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -33,16 +32,13 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, say, write_result  # noqa: E402
+from common import build_llama, generate_device, generate_parser, say, timer, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 
 GIB = 2**30
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+SIZES = dict(prompts=64, prompt_len=256, new_tokens=256)  # unless given; --tiny: TINY_SIZES
+TINY_SIZES = dict(prompts=4, prompt_len=32, new_tokens=16)
 
 
 def distinct_prompts(gen: torch.Generator, count: int, length: int, vocab: int) -> torch.Tensor:
@@ -60,14 +56,13 @@ def kv_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.cpu else "cpu")
+    device = generate_device(args, SIZES, TINY_SIZES)
     cuda = device.type == "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     torch.manual_seed(0)
-    start = time.perf_counter()
-    model = build_llama(args.tiny, device, dtype)
-    sync(device)
-    init_s = time.perf_counter() - start
+    with timer(device) as t:
+        model = build_llama(args.tiny, device, dtype)
+    init_s = t.seconds
     weights_bytes = torch.cuda.memory_allocated(device) if cuda else 0
     rows = args.prompts * args.samples
     pool = dict(max_total_tokens=args.max_total_tokens) if args.max_total_tokens else dict(mem_fraction=0.5)
@@ -90,20 +85,18 @@ def run(args: argparse.Namespace) -> dict:
         extra = dict(cache_implementation="radix") if radix else {}
         if radix:
             engine.reset_cache()
-        sync(device)
         if cuda:
+            torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         resident = torch.cuda.memory_allocated(device) if cuda else 0
         torch.manual_seed(seed)
-        start = time.perf_counter()
-        with torch.inference_mode():
+        with timer(device) as t, torch.inference_mode():
             out = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
                 min_new_tokens=args.new_tokens, do_sample=True, top_p=args.top_p, top_k=args.top_k,
                 temperature=args.temperature, num_return_sequences=args.samples, **extra,
             )
-        sync(device)
-        elapsed = time.perf_counter() - start
+        elapsed = t.seconds
         if out.shape != (rows, args.prompt_len + args.new_tokens):
             raise RuntimeError(f"generate returned {tuple(out.shape)}, expected {rows} rows x "
                                f"{args.prompt_len + args.new_tokens} tokens")
@@ -129,9 +122,8 @@ def run(args: argparse.Namespace) -> dict:
     times: dict[str, list[float]] = {"hf": [], "radix": []}
     mems: dict[str, list[dict]] = {"hf": [], "radix": []}
     agreement: list[float] = []
-    bench_start = time.perf_counter()
     for r in range(args.repeats):
-        if r and time.perf_counter() - bench_start > args.budget_s:
+        if r and sum(times["hf"]) + sum(times["radix"]) > args.budget_s:
             say(f"time budget ({args.budget_s:.0f} s) spent: {r} repeats of {args.repeats}")
             break
         prompts = distinct_prompts(gen, args.prompts, args.prompt_len, vocab)
@@ -224,11 +216,7 @@ def print_table(result: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tiny", action="store_true", help="tiny fp32 model, small workload (CPU check)")
-    parser.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is available")
+    parser = generate_parser(__doc__)
     parser.add_argument("--prompts", type=int, default=None, help="prompts per call (64; tiny: 4)")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt (256; tiny: 32)")
     parser.add_argument("--samples", type=int, default=8, help="num_return_sequences")
@@ -240,24 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3, help="steady calls of each kind (median)")
     parser.add_argument("--budget-s", type=float, default=150.0,
                         help="start no further repeat once the steady calls have taken this long")
-    parser.add_argument("--page-size", type=int, default=1)
-    parser.add_argument("--attn-backend", default="auto", choices=["auto", "torch", "triton"])
-    parser.add_argument("--max-total-tokens", type=int, default=None, help="pool size (default: half free)")
     parser.add_argument("--graph-max-batch", type=int, default=None,
                         help="decode graphs up to this many rows (default: the call's rows)")
-    parser.add_argument("--no-cuda-graph", action="store_true", help="radix forwards run eagerly")
-    parser.add_argument("--json", type=Path, default=None, help="write every number here")
     args = parser.parse_args(argv)
-    if args.tiny:
-        args.prompts = args.prompts or 4
-        args.prompt_len = args.prompt_len or 32
-        args.new_tokens = args.new_tokens or 16
-        args.max_total_tokens = args.max_total_tokens or 8192
-    args.prompts = args.prompts or 64
-    args.prompt_len = args.prompt_len or 256
-    args.new_tokens = args.new_tokens or 256
-    if not torch.cuda.is_available() or args.cpu:
-        torch.set_num_threads(min(torch.get_num_threads(), 4))
     try:
         result = run(args)
     except Exception:
@@ -265,8 +238,6 @@ def main(argv: list[str] | None = None) -> dict:
         raise
     print_table(result)
     write_result(result, args.json, echo=False)
-    if args.json:
-        print(f"wrote {args.json}")
     return result
 
 

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_result  # noqa: E402
+from common import parser_for, timer, write_result  # noqa: E402
 
 from hf_radix.kernels.triton_sampling import sample_rows  # noqa: E402
 from hf_radix.scheduling.sampling import Sampler, SamplingParams, sample_rows_torch  # noqa: E402
@@ -35,14 +35,10 @@ from hf_radix.scheduling.sampling import Sampler, SamplingParams, sample_rows_to
 def _time_ms(fn, steps: int) -> float:
     for _ in range(3):
         fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
+    with timer(events=True) as t:
+        for _ in range(steps):
+            fn()
+    return t.ms / steps
 
 
 def _launch_breakdown(fn) -> list[dict]:
@@ -125,14 +121,13 @@ def _tuning(rows: int, args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = parser_for(__doc__)
     ap.add_argument("--rows", type=str, default="8,64,256", help="comma-separated batch sizes")
     ap.add_argument("--vocab", type=int, default=128_256)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--top-p", type=float, default=0.9)
     ap.add_argument("--decode-step-ms", type=float, default=13.0, help="a greedy decode step (gsp-8x32)")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     sizes = [int(r) for r in args.rows.split(",")]
     result = {

@@ -21,7 +21,6 @@ Not a test: `python bench/schedule_bench.py --scheduled --prompts 50000 --groups
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -32,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_machine, write_result  # noqa: E402
+from common import cpu_machine, int_options, parser_for, timed, timer, write_result  # noqa: E402
 
 from hf_radix import scheduler as scheduler_module  # noqa: E402
 from hf_radix.memory.radix_tree import RadixPrefixCache  # noqa: E402
@@ -54,9 +53,7 @@ def run(prompts: int, groups: int, prefix_len: int, suffix_len: int, zero_reuse:
             ids = prefixes[i % groups] + rng.integers(0, 32_000, suffix_len).tolist()
         reqs.append(Req(i, ids, params))
 
-    t0 = time.perf_counter()
-    sorted(reqs, key=lambda r: r.token_ids)
-    static_sort_s = time.perf_counter() - t0
+    static_sort_s, _ = timed(lambda: sorted(reqs, key=lambda r: r.token_ids), sync=False)
 
     tree = RadixPrefixCache(page_size=1)
     match_calls = [0]
@@ -65,21 +62,19 @@ def run(prompts: int, groups: int, prefix_len: int, suffix_len: int, zero_reuse:
         match_calls[0] += 1
         return tree.match_prefix(ids).cached_len
 
-    t0 = time.perf_counter()
-    queue = PrefixAwareQueue(reqs, cached_len, lambda: 0)
-    build_s = time.perf_counter() - t0
+    build_s, queue = timed(lambda: PrefixAwareQueue(reqs, cached_len, lambda: 0), sync=False)
     pop_s = insert_s = 0.0
     next_slot = 0
     while queue:
-        t0 = time.perf_counter()
-        queue[0]
-        req = queue.popleft()
-        t1 = time.perf_counter()
-        ids = req.match_ids
-        tree.insert_prefix(ids, np.arange(next_slot, next_slot + len(ids)))
-        next_slot += len(ids)
-        insert_s += time.perf_counter() - t1
-        pop_s += t1 - t0
+        with timer(sync=False) as pop:
+            queue[0]
+            req = queue.popleft()
+        with timer(sync=False) as insert:
+            ids = req.match_ids
+            tree.insert_prefix(ids, np.arange(next_slot, next_slot + len(ids)))
+            next_slot += len(ids)
+        insert_s += insert.seconds
+        pop_s += pop.seconds
     return {
         "config": {"prompts": prompts, "groups": groups, "prefix_len": prefix_len, "suffix_len": suffix_len,
                    "zero_reuse": zero_reuse, "seed": seed},
@@ -133,9 +128,9 @@ class _Recorder:
             recorder.reqs = list(reqs)
 
             def timed_cached_len(ids):
-                started = time.thread_time()
-                length = cached_len(ids)
-                recorder.match_s += time.thread_time() - started
+                with timer(sync=False, clock=time.thread_time) as t:
+                    length = cached_len(ids)
+                recorder.match_s += t.seconds
                 recorder.matches.append(length)
                 return length
 
@@ -143,9 +138,9 @@ class _Recorder:
                 recorder.evictions.append(evictions())
                 return recorder.evictions[-1]
 
-            started = time.thread_time()
-            real["__init__"](queue, recorder.reqs, timed_cached_len, counted_evictions)
-            recorder.build_s = time.thread_time() - started
+            with timer(sync=False, clock=time.thread_time) as t:
+                real["__init__"](queue, recorder.reqs, timed_cached_len, counted_evictions)
+            recorder.build_s = t.seconds
 
         def head(queue, index):
             recorder.calls.append(("__getitem__", None))
@@ -180,15 +175,15 @@ class _Recorder:
         queue = schedule_policy.PrefixAwareQueue(
             self.reqs, lambda ids: next(matches), lambda: next(evictions)
         )
-        started = time.thread_time()
-        for name, reqs in self.calls:
-            if name == "__getitem__":
-                served.append(queue[0])
-            elif name == "popleft":
-                served.append(queue.popleft())
-            else:
-                queue.extendleft(reqs)
-        seconds = time.thread_time() - started
+        with timer(sync=False, clock=time.thread_time) as t:
+            for name, reqs in self.calls:
+                if name == "__getitem__":
+                    served.append(queue[0])
+                elif name == "popleft":
+                    served.append(queue.popleft())
+                else:
+                    queue.extendleft(reqs)
+        seconds = t.seconds
         same = len(served) == len(self.served) and all(a is b for a, b in zip(served, self.served))
         if not same or next(evictions, None) is not None or next(matches, None) is not None:
             raise RuntimeError("the replay did not repeat the run")
@@ -214,21 +209,20 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
     real_schedule = scheduler_module.Scheduler._schedule
 
     def timed_schedule(scheduler):
-        started = time.thread_time()
-        try:
-            return real_schedule(scheduler)
-        finally:
-            schedule_s[0] += time.thread_time() - started
-            schedule_s[1] += 1
+        with timer(sync=False, clock=time.thread_time) as t:
+            scheduled = real_schedule(scheduler)
+        schedule_s[0] += t.seconds
+        schedule_s[1] += 1
+        return scheduled
 
     recorder = _Recorder()
     scheduler_module.Scheduler._schedule = timed_schedule
     before = runner.engine.stats_dict()
     try:
         with _stub_slot_lists(), recorder.recording():
-            started, started_cpu = time.perf_counter(), time.thread_time()
-            runner.loglikelihood(pairs, progress=False)
-            wall, cpu = time.perf_counter() - started, time.thread_time() - started_cpu
+            with timer(sync=False) as wall_t, timer(sync=False, clock=time.thread_time) as cpu_t:
+                runner.loglikelihood(pairs, progress=False)
+            wall, cpu = wall_t.seconds, cpu_t.seconds
     finally:
         scheduler_module.Scheduler._schedule = real_schedule
     runner.check_integrity()
@@ -274,14 +268,9 @@ def run_scheduled(prompts: int, groups: int, pool_tokens: int, seed: int) -> dic
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--prompts", type=int, default=50_000)
-    ap.add_argument("--groups", type=int, default=64)
-    ap.add_argument("--prefix-len", type=int, default=512)
-    ap.add_argument("--suffix-len", type=int, default=32)
+    ap = int_options(parser_for(__doc__), prompts=50_000, groups=64, prefix_len=512, suffix_len=32)
     ap.add_argument("--zero-reuse", type=int, default=1000, help="prompts sharing nothing with the others")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
     ap.add_argument("--scheduled", action="store_true",
                     help="a whole scoring run through the real scheduler, forward stubbed (see above)")
     ap.add_argument("--pool-tokens", type=int, default=200_000, help="KV pool of --scheduled")

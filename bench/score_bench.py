@@ -12,10 +12,8 @@ are compared. `--tiny` runs a CPU-sized self-check in seconds.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +22,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama, write_result  # noqa: E402
+from common import build_llama, parser_for, timed, write_result  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
@@ -50,11 +48,6 @@ def make_workload(questions: int, choices: int, prefix_len: int, question_len: i
         context = prefix + ids(question_len)
         pairs += [(context, ids(int(rng.integers(choice_len[0], choice_len[1] + 1)))) for _ in range(choices)]
     return pairs
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def padded_batches(pairs: list[Pair], batch_size: int):
@@ -103,18 +96,8 @@ def reference_loglikelihood(model, pairs: list[Pair], device: str) -> list[float
     return out
 
 
-def timed(fn, device: str):
-    sync(device)
-    start = time.perf_counter()
-    result = fn()
-    sync(device)
-    return time.perf_counter() - start, result
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = parser_for(__doc__)
     parser.add_argument("--tiny", action="store_true", help="tiny fp32 model on the CPU: a self-check")
     parser.add_argument("--questions", type=int)
     parser.add_argument("--choices", type=int)
@@ -129,7 +112,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--check-questions", type=int, default=4,
                         help="questions also scored by unpadded float32-softmax forwards, as a yardstick")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
 
     shape = dict(TINY if args.tiny else FULL)

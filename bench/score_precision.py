@@ -22,7 +22,6 @@ Llama-3.1-8B shape on the GPU; `--tiny` runs a 4-layer, hidden-256 Llama with a 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ import transformers
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
 
-from common import LLAMA_8B, build_llama, write_result  # noqa: E402
+from common import LLAMA_8B, build_llama, parser_for, write_result  # noqa: E402
 from score_bench import Pair, make_workload, padded_batches  # noqa: E402
 
 from hf_radix import RadixBatchRunner  # noqa: E402
@@ -97,15 +96,12 @@ def drift(values: np.ndarray, reference: np.ndarray, hf_bs1: np.ndarray) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = parser_for(__doc__)
     parser.add_argument("--tiny", action="store_true", help="4-layer hidden-256 Llama on the CPU")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--prefix-len", type=int, default=1500)
     parser.add_argument("--question-len", type=int, default=100)
     parser.add_argument("--alone", type=int, default=8, help="pairs also scored one at a time, cold cache")
-    parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False  # a float32 reference that is float32
     torch.backends.cudnn.allow_tf32 = False

@@ -13,18 +13,14 @@
 (b) extend: 8 groups x 32 rows x 64 new tokens behind a 1,500-token cached prefix (page 16: 1,488 shared,
     page-aligned, + 12 cached tokens of each row's own), vs ``extend_attention``.
 
-Usage: python bench/shared_prefix_bench.py [--out PATH] [--quick]   (JSON to PATH, default $OUT/...)
+Usage: python bench/shared_prefix_bench.py [--json PATH] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +31,8 @@ import triton.testing
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from common import parser_for, timer, write_result  # noqa: E402
 
 from hf_radix.engine import EngineOptions  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
@@ -325,25 +323,10 @@ def bench_extend(page: int) -> dict[str, Any]:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="JSON path (default: $OUT/shared_prefix_bench.json)")
-    ap.add_argument("--quick", action="store_true", help="default configs only")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("shared_prefix_bench.py needs a CUDA device")
-    out_path = Path(args.out or Path(os.environ.get("OUT", ".")) / "shared_prefix_bench.json")
-    props = torch.cuda.get_device_properties(0)
-    results: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
-        "triton": triton.__version__, "peak_bw": PEAK_BW,
-        "decode": [],
-        "extend": [],
-    }
-    start = time.time()
+def sweep(results: dict[str, Any], quick: bool) -> None:
+    """Both parts at page sizes 1 and 16, into `results`, then the summary."""
     for page in (1, 16):  # the full sweep at page 1; page 16 the modes and split counts
-        results["decode"].append(bench_decode(page, args.quick, full=page == 1 and not args.quick))
+        results["decode"].append(bench_decode(page, quick, full=page == 1 and not quick))
         torch.cuda.empty_cache()
     for page in (1, 16):
         results["extend"].append(bench_extend(page))
@@ -364,11 +347,26 @@ def main() -> None:
     for r in results["extend"]:
         print(f"extend 8x32x64+1500 p{r['page_size']:<2}: {r['shared_ms'] * 1e3:6.1f} us vs per-row "
               f"{r['per_row_ms'] * 1e3:6.1f} us = x{r['speedup']:.2f}")
-    results["bench_s"] = time.time() - start
+
+
+def main() -> None:
+    ap = parser_for(__doc__)
+    ap.add_argument("--quick", action="store_true", help="default configs only")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("shared_prefix_bench.py needs a CUDA device")
+    props = torch.cuda.get_device_properties(0)
+    results: dict[str, Any] = {
+        "device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+        "triton": triton.__version__, "peak_bw": PEAK_BW,
+        "decode": [],
+        "extend": [],
+    }
+    with timer(sync=False) as whole:
+        sweep(results, args.quick)
+    results["bench_s"] = whole.seconds
     print(f"bench took {results['bench_s']:.0f} s")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2))
-    print(f"wrote {out_path}")
+    write_result(results, args.json, echo=False)
 
 
 if __name__ == "__main__":

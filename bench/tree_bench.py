@@ -6,16 +6,14 @@ match_prefix and one insert_prefix each. Not a test: run `python bench/tree_benc
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import cpu_machine, write_result  # noqa: E402
+from common import cpu_machine, int_options, parser_for, timed, timer, write_result  # noqa: E402
 
 from hf_radix.memory.radix_tree import RadixPrefixCache  # noqa: E402
 
@@ -32,20 +30,18 @@ def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: 
     for i in range(prompts):
         prompt = np.concatenate([prefixes[i % groups], rng.integers(0, vocab, suffix_len, dtype=np.int64)])
         prompt = prompt[:length]
-        t0 = time.perf_counter()
-        handle = tree.match_prefix(prompt)
-        t1 = time.perf_counter()
-        matched = handle.matched_indices()
-        t2 = time.perf_counter()
+        with timer(sync=False) as match:
+            handle = tree.match_prefix(prompt)
+        with timer(sync=False) as indices:
+            matched = handle.matched_indices()
         new = np.arange(next_slot, next_slot + length - handle.cached_len, dtype=np.int64)
         next_slot += len(new)
         slots = np.concatenate([matched, new])
-        t3 = time.perf_counter()
-        tree.insert_prefix(prompt, slots)
-        t4 = time.perf_counter()
-        match_us.append((t1 - t0) * 1e6)
-        indices_us.append((t2 - t1) * 1e6)
-        insert_us.append((t4 - t3) * 1e6)
+        with timer(sync=False) as insert:
+            tree.insert_prefix(prompt, slots)
+        match_us.append(match.us)
+        indices_us.append(indices.us)
+        insert_us.append(insert.us)
         cached.append(handle.cached_len)
 
     def stats(xs: list[float]) -> dict:
@@ -68,20 +64,12 @@ def run(groups: int, prompts: int, prefix_len: int, suffix_len: int, page_size: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--prompts", type=int, default=10_000)
-    ap.add_argument("--prefix-len", type=int, default=2048)
-    ap.add_argument("--suffix-len", type=int, default=256)
-    ap.add_argument("--page-size", type=int, default=1)
-    ap.add_argument("--vocab", type=int, default=32_000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None, help="also write the results to this JSON file")
+    ap = int_options(parser_for(__doc__), groups=8, prompts=10_000, prefix_len=2048, suffix_len=256,
+                     page_size=1, vocab=32_000, seed=0)
     args = ap.parse_args()
-    t0 = time.perf_counter()
-    res = run(args.groups, args.prompts, args.prefix_len, args.suffix_len, args.page_size, args.vocab,
-              args.seed)
-    res["wall_s"] = time.perf_counter() - t0
+    wall, res = timed(lambda: run(args.groups, args.prompts, args.prefix_len, args.suffix_len, args.page_size,
+                                  args.vocab, args.seed), sync=False)
+    res["wall_s"] = wall
     cfg = res["config"]
     print(f"radix tree bench: {cfg['prompts']} prompts x {cfg['prompt_len']} tokens, {cfg['groups']} groups, "
           f"shared prefix {cfg['prefix_len']}, page_size {cfg['page_size']}, "

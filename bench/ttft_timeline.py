@@ -12,7 +12,6 @@ of one call, sorted by GPU time.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -23,27 +22,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import build_llama  # noqa: E402
+from common import build_llama, parser_for, timer, timing_wrapper, write_result  # noqa: E402
 from generate_bench import distinct_questions  # noqa: E402
 
 import hf_radix  # noqa: E402
-from hf_radix import (  # noqa: E402
-    cache_manager,
-    cuda_graph,
-    engine,
-    forward_batch,
-    generate_hook,
-    generate_session,
-    model_runner,
-    page_table,
-    radix_tree,
-    staging,
-)
+from hf_radix import engine  # noqa: E402
+from hf_radix.forward import cuda_graph, model_runner, staging  # noqa: E402
+from hf_radix.integrations import generate_hook, generate_session  # noqa: E402
 from hf_radix.kernels import triton_slots  # noqa: E402
+from hf_radix.memory import cache_manager, page_table, radix_tree  # noqa: E402
+from hf_radix.paged_attention import forward_batch  # noqa: E402
 
 
 class Stamps:
-    """Host times (perf_counter) and CUDA events of one call's milestones."""
+    """Host timestamps (perf_counter, ms since `begin`) and CUDA events of one call's milestones: a
+    timeline rather than durations, so not `common.timer`."""
 
     def __init__(self) -> None:
         self.host: dict[str, float] = {}
@@ -122,19 +115,14 @@ def accumulate(owner, name: str) -> None:
     key = f"{getattr(owner, '__name__', owner)}.{name}".rsplit(".", 2)[-2:]
     key = ".".join(key)
 
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            STAMPS.spent[key] = STAMPS.spent.get(key, 0.0) + 1e3 * (time.perf_counter() - start)
+    def add(seconds: float) -> None:
+        STAMPS.spent[key] = STAMPS.spent.get(key, 0.0) + 1e3 * seconds
 
-    setattr(owner, name, wrapper)
+    setattr(owner, name, timing_wrapper(original, add))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--json", type=Path)
+    parser = parser_for(__doc__)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--trace", type=Path, help="write a Chrome trace of two profiled calls here")
     args = parser.parse_args()
@@ -179,24 +167,20 @@ def main() -> None:
     captured = graphs._graphs[(1, 64)]
     for _ in range(3):
         captured[0].replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        captured[0].replay()
-    end.record()
-    torch.cuda.synchronize()
-    graph_ms = start.elapsed_time(end) / 20
+    with timer(events=True) as replays:
+        for _ in range(20):
+            captured[0].replay()
+    graph_ms = replays.ms / 20
 
     from torch.autograd import DeviceType
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    call(False)
-    torch.cuda.synchronize()
+    with timer("cuda"):
+        call(False)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(2):
-            call(True)
-            torch.cuda.synchronize()
+            with timer("cuda"):
+                call(True)
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
     kernels: dict[str, list[float]] = {}
@@ -208,7 +192,6 @@ def main() -> None:
     for total, count, name in table[:30]:
         print(f"{total:9.1f} {count:6.0f}  {name[:110]}")
     result = {
-        "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "timeline_median_ms": timeline,
@@ -217,8 +200,7 @@ def main() -> None:
         "rows": rows,
     }
     print(json.dumps({k: result[k] for k in ("timeline_median_ms", "extend_graph_replay_ms")}, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    write_result(result, args.json, echo=False)
 
 
 if __name__ == "__main__":

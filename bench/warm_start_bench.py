@@ -11,7 +11,7 @@ and the largest log-likelihood difference (0: the same numbers). `--tiny` runs e
 processes included) on the CPU. Each workload is one part: the JSON is rewritten after each, and a part
 that fails is recorded there while the others still run.
 
-    python bench/warm_start_bench.py --out bench/results/warm_start_h200.json
+    python bench/warm_start_bench.py --json bench/results/warm_start_h200.json
     python bench/warm_start_bench.py --tiny
 """
 
@@ -24,14 +24,13 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import ResultFile, bench_device, model_arguments, say, seeded_model, sync  # noqa: E402
+from common import ResultFile, bench_device, model_arguments, parser_for, say, seeded_model, timer  # noqa: E402
 from score_bench import FULL, TINY, make_workload  # noqa: E402
 
 from hf_radix import RadixBatchRunner  # noqa: E402
@@ -44,10 +43,9 @@ def phase(args) -> dict:
     """One fresh process: "cold" (time the first run, then save) or "warm" (load, then time the first run)."""
     device = bench_device(args)
     shape = {**(TINY if args.tiny else FULL), **WORKLOADS[args.workload]}
-    start = time.perf_counter()
-    model = seeded_model(args, device)
-    sync(device)
-    out: dict = {"model_build_seconds": time.perf_counter() - start}
+    with timer(device) as t:
+        model = seeded_model(args, device)
+    out: dict = {"model_build_seconds": t.seconds}
     say(f"{args.phase}: model built in {out['model_build_seconds']:.1f}s")
     runner = RadixBatchRunner(model, page_size=args.page_size, max_total_tokens=args.max_total_tokens)
     workload = [shape[k] for k in ("questions", "choices", "prefix_len", "question_len", "choice_len")]
@@ -62,11 +60,9 @@ def phase(args) -> dict:
         runner.check_integrity()
         say(f"{args.phase}: loaded {out['load']['tokens']:,} tokens in {out['load']['seconds']:.2f}s")
     before = runner.stats.prompt_tokens, runner.stats.cached_tokens
-    sync(device)
-    start = time.perf_counter()
-    scores = runner.loglikelihood(pairs, progress=False)
-    sync(device)
-    out["first_run_seconds"] = time.perf_counter() - start
+    with timer(device) as t:
+        scores = runner.loglikelihood(pairs, progress=False)
+    out["first_run_seconds"] = t.seconds
     out["prompt_tokens"] = runner.stats.prompt_tokens - before[0]
     out["cached_tokens"] = runner.stats.cached_tokens - before[1]
     out["hit_rate"] = out["cached_tokens"] / out["prompt_tokens"]
@@ -81,12 +77,19 @@ def phase(args) -> dict:
 
 def run_phase(command: list[str], name: str, timeout: float) -> dict:
     """Runs one phase in a fresh process, echoing its output as it comes; returns its RESULT line."""
-    start = time.perf_counter()
+    with timer(sync=False) as t:
+        result = watch(command, name, timeout)
+    result["process_seconds"] = t.seconds
+    return result
+
+
+def watch(command: list[str], name: str, timeout: float) -> dict:
+    """Runs `command`, echoing its output prefixed with `name`, killed after `timeout` seconds."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     killed = threading.Event()
-    timer = threading.Timer(timeout, lambda: (killed.set(), proc.kill()))
-    timer.start()
+    deadline = threading.Timer(timeout, lambda: (killed.set(), proc.kill()))
+    deadline.start()
     tail: list[str] = []
     result = None
     try:
@@ -98,12 +101,11 @@ def run_phase(command: list[str], name: str, timeout: float) -> dict:
             tail = [*tail[-40:], line]
         proc.wait()
     finally:
-        timer.cancel()
+        deadline.cancel()
         proc.kill()
     if proc.returncode or result is None:
         why = f"killed after {timeout:.0f}s" if killed.is_set() else f"exit status {proc.returncode}"
         raise RuntimeError(f"{name} process failed ({why}):\n{''.join(tail)}")
-    result["process_seconds"] = time.perf_counter() - start
     return result
 
 
@@ -123,9 +125,7 @@ def compare(cold: dict, warm: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = model_arguments(argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    ))
+    parser = model_arguments(parser_for(__doc__))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--max-total-tokens", type=int, help="KV pool (default 200,000; tiny 16,384)")
     parser.add_argument("--dir", type=Path, help="where the cache files go (default: a temporary directory)")
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         parser.error(f"unknown workloads {sorted(unknown)}; choose from {list(WORKLOADS)}")
 
-    file = ResultFile(args.out, args, max_total_tokens=args.max_total_tokens, goal="first_run_ratio >= 5")
+    file = ResultFile(args.json, args, max_total_tokens=args.max_total_tokens, goal="first_run_ratio >= 5")
     directory = args.dir or Path(tempfile.mkdtemp(prefix="hf_radix_warm_"))
     directory.mkdir(parents=True, exist_ok=True)
     passed = ["--page-size", str(args.page_size), "--max-total-tokens", str(args.max_total_tokens),
