@@ -18,9 +18,9 @@ import numpy as np
 
 from .radix_node import IntegrityError, MatchHandle, RadixNode, as_int_array
 from .radix_tree import RadixPrefixCache
-from .state_pool import StatePool
+from .state_pool import StatePool, StatePoolError
 
-__all__ = ["SnapshotRadixCache"]
+__all__ = ["SnapshotRadixCache", "StateSlots"]
 
 
 class SnapshotRadixCache(RadixPrefixCache):
@@ -158,3 +158,57 @@ class SnapshotRadixCache(RadixPrefixCache):
             live = [e for e in self._bare_heap if e[2].parent is not None and e[0] == e[2].last_access]
             self._bare_heap[:] = live
             heapq.heapify(self._bare_heap)
+
+
+class StateSlots:
+    """A cache manager's state slots: running rows' (taken and freed by the manager) and the tree's
+    snapshots, all from one `StatePool`."""
+
+    def __init__(self, pool: StatePool, tree: SnapshotRadixCache) -> None:
+        self.pool = pool
+        self.tree = tree
+
+    @property
+    def available(self) -> int:
+        """Slots that `take` can hand out now: free ones plus unlocked snapshots (admission control)."""
+        return self.pool.num_free + self.tree.num_evictable_snapshots
+
+    def take(self, source: int | None) -> int:
+        """A slot holding a copy of slot `source` (zeros if None): a running row's state, restored from
+        its matched snapshot. Frees the least recently used unlocked snapshot when no slot is free."""
+        if not self.pool.num_free and not self.tree.evict_snapshots(1):
+            raise StatePoolError(f"state pool out of slots: all {self.pool.num_slots} are running or locked")
+        slot = self.pool.alloc(1, zero=source is None)[0]
+        if source is not None:
+            self.pool.copy_slot(source, slot)
+        return slot
+
+    def snapshot(self, handle: MatchHandle, source: int) -> bool:
+        """Attaches a copy of slot `source` at the end of `handle`'s path, unless a snapshot is there
+        already; returns whether it attached one."""
+        if handle.state_slot is not None:
+            return False
+        slot = self.take(source)
+        duplicate = self.tree.attach_snapshot(handle, handle.cached_len, slot)
+        if duplicate is not None:
+            self.pool.free([duplicate])
+        return duplicate is None
+
+    def check(self, running: list[int | None]) -> None:
+        """Every allocated slot is held once, by one running row (`running`) or one snapshot; no other
+        slot is allocated, and the free list is disjoint from them."""
+        try:
+            self.pool.check_integrity()
+        except StatePoolError as e:
+            raise IntegrityError(str(e)) from e
+        if None in running:
+            raise IntegrityError("a running request has no state slot")
+        held = running + self.tree.snapshot_slots()
+        if len(set(held)) != len(held):
+            raise IntegrityError("a state slot is held twice (by running requests or snapshots)")
+        used = self.pool.used_slots
+        if set(held) != used:
+            leaked, unallocated = sorted(used - set(held)), sorted(set(held) - used)
+            raise IntegrityError(
+                f"state slots: allocated but held by nobody {leaked}; held but not allocated {unallocated}"
+            )
