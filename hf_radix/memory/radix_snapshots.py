@@ -173,12 +173,16 @@ class StateSlots:
         """Slots that `take` can hand out now: free ones plus unlocked snapshots (admission control)."""
         return self.pool.num_free + self.tree.num_evictable_snapshots
 
-    def take(self, source: int | None) -> int:
-        """A slot holding a copy of slot `source` (zeros if None): a running row's state, restored from
-        its matched snapshot. Frees the least recently used unlocked snapshot when no slot is free."""
+    def alloc(self, zero: bool = True) -> int:
+        """A slot, freeing the least recently used unlocked snapshot when none is free."""
         if not self.pool.num_free and not self.tree.evict_snapshots(1):
             raise StatePoolError(f"state pool out of slots: all {self.pool.num_slots} are running or locked")
-        slot = self.pool.alloc(1, zero=source is None)[0]
+        return self.pool.alloc(1, zero=zero)[0]
+
+    def take(self, source: int | None) -> int:
+        """A slot holding a copy of slot `source` (zeros if None): a running row's state, restored from
+        its matched snapshot."""
+        slot = self.alloc(zero=source is None)
         if source is not None:
             self.pool.copy_slot(source, slot)
         return slot

@@ -78,6 +78,10 @@ class RadixPrefixCache:
         self._maybe_queue(node)
         return MatchHandle(self, length, node)
 
+    def match_kv(self, token_ids: Any) -> MatchHandle:
+        """The longest cached K/V prefix, whether or not a snapshot ends it (here: `match_prefix`)."""
+        return RadixPrefixCache.match_prefix(self, token_ids)
+
     def insert_prefix(self, token_ids: Any, slot_indices: Any) -> tuple[int, MatchHandle]:
         """Inserts `token_ids` -> `slot_indices`; returns (length already cached, handle at its end).
 
