@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from test_radix_tree import _machine
 
 from hf_radix.hybrid_layers import StateKindSpec, StateLayerSpec
 from hf_radix.memory.radix_snapshots import SnapshotRadixCache
@@ -183,16 +183,8 @@ class SnapshotMachine(RuleBasedStateMachine):
         assert len(self.free) + self.tree.size_info.total_size // self.ps == NUM_PAGES, "page leak"
 
 
-def _machine(ps: int) -> type[SnapshotMachine]:
-    cls = type(f"SnapshotMachinePS{ps}", (SnapshotMachine,), {"PAGE_SIZE": ps})
-    cls.TestCase.settings = settings(
-        max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-    )
-    return cls
-
-
-TestSnapshotsPS1 = _machine(1).TestCase
-TestSnapshotsPS4 = _machine(4).TestCase
+TestSnapshotsPS1 = _machine(1, SnapshotMachine).TestCase
+TestSnapshotsPS4 = _machine(4, SnapshotMachine).TestCase
 
 
 # ----------------------------------------------------------------------------- unit tests
