@@ -111,6 +111,8 @@ class HostTier:
         if manager.state_slots is not None:
             slots = self._state_slots or manager.state_slots.pool.num_slots
             self.snapshots = HostSnapshots(self, manager.state_slots, slots)
+        elif self.snapshots is not None:
+            raise ValueError("this host tier keeps state snapshots: attach it to a manager with state layers")
         self.manager = manager
         manager.host_tier = self
         manager.tree.on_evict = self._keep
