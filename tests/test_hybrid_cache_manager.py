@@ -125,6 +125,55 @@ def test_page_eviction_frees_snapshot_slots() -> None:
     manager.check_integrity()
 
 
+def _decode(manager: CacheManager, row: int, upto: int) -> None:
+    """Decode steps up to `upto` tokens (state after n tokens: n), a held copy at every page boundary."""
+    for n in range(manager.row_len(row) + 1, upto + 1):
+        manager.allocate([row], [n])
+        manager.state_slots.pool.tensors[(3, "recurrent")][manager.row_state_slot(row)] = float(n)
+        if n % manager.page_size == 0:
+            manager.hold_snapshot(row, n)
+
+
+def test_a_held_copy_is_attached_when_released_at_the_last_page_boundary() -> None:
+    manager = _manager()
+    prompt = [1, 2, 3, 4, 5]
+    row = _start(manager, prompt + [0] * 6)
+    manager.allocate([row], [5])
+    manager.cache_req(row, prompt, 4, finished=False)
+    _decode(manager, row, 11)  # held copies at 6, 8, 10: one slot, overwritten
+    assert manager.state_slots.pool.num_used == 2
+    manager.check_integrity()
+    manager.cache_req(row, prompt + [0] * 6, 11, finished=True)  # the tree gets 10 tokens: attached there
+    manager.check_integrity()
+    handle = manager.match(prompt + [0] * 6 + [7, 7])
+    assert handle.cached_len == 10 and _state(manager, handle.state_slot) == 10.0
+    assert manager.state_slots.pool.num_used == 1
+
+
+def test_a_held_copy_past_an_abort_is_freed() -> None:
+    manager = _manager()
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    row = _start(manager, tokens)
+    _decode(manager, row, 6)
+    manager.cache_req(row, tokens, 4, finished=False)  # the held copy (at 6) waits
+    manager.check_integrity()
+    manager.cache_req(row, tokens, 5, finished=True)  # aborted before 6 was cached
+    manager.check_integrity()
+    assert manager.state_slots.pool.num_used == 0 and manager.gpu_cached_len(tokens) == 0
+
+
+def test_hold_snapshot_needs_a_page_multiple() -> None:
+    manager = _manager()
+    row = _start(manager, [1, 2, 3])
+    with pytest.raises(ValueError):
+        manager.hold_snapshot(row, 3)
+
+
+def _held_slot_leaked(manager: CacheManager, row: int) -> None:
+    manager.hold_snapshot(row, 4)
+    manager._rows[row].held = None
+
+
 def _double_held(manager: CacheManager, row: int) -> None:
     manager.state_slots.pool.free([manager._rows[row].state_slot])
     manager._rows[row].state_slot = manager.row_handle(row).state_slot
@@ -154,7 +203,7 @@ def _snapshot_index_lost(manager: CacheManager, row: int) -> None:
     "corrupt",
     [
         _double_held, _leaked, _snapshot_on_freed_slot, _running_slot_freed, _free_and_used,
-        _snapshot_index_lost,
+        _snapshot_index_lost, _held_slot_leaked,
     ],
 )
 def test_check_integrity_detects_broken_state_slots(corrupt: Callable[[CacheManager, int], None]) -> None:

@@ -30,6 +30,11 @@ class _Row:
 
     handle: MatchHandle
     state_slot: int | None = None
+    held: tuple[int, int] | None = None  # (length, slot): a state copy to attach once the tree has length
+
+    def own_states(self) -> list[int | None]:
+        """The state slots the row holds: its running slot and its held copy's, if any."""
+        return [self.state_slot] + ([self.held[1]] if self.held else [])
 
 
 class CacheManager:
@@ -172,6 +177,14 @@ class CacheManager:
         """
         return self.state_slots.snapshot(self._rows[row].handle, self._rows[row].state_slot)
 
+    def hold_snapshot(self, row: int, length: int) -> None:
+        """Keeps a copy of the row's state (after its first `length` tokens: its last forward ended there,
+        a page multiple) in a slot of its own, replacing an earlier one; the `cache_req` that brings the
+        row's cached prefix to `length` attaches it (e.g. the last page boundary of a decode, at release).
+        """
+        state = self._rows[row]
+        state.held = self.state_slots.hold(state.held, state.state_slot, length)
+
     def allocate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
         """Grows each row's allocation to cover `lengths[i]` tokens, evicting from the tree once if needed.
 
@@ -237,13 +250,16 @@ class CacheManager:
         else:
             keys = np.asarray(token_ids[:aligned])
             present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
+        if state.held is not None and state.held[0] <= aligned:
+            self.state_slots.attach(new, *state.held)
+            state.held = None
         self.tree.unlock(old)
         self.lock_version += 1
         self._release(slots[old.cached_len : present])
         if finished:
             self._release(slots[aligned:])
-            if state.state_slot is not None:
-                self.state_slots.pool.free([state.state_slot])
+            if state.state_slot is not None:  # and a held copy its tokens never reached
+                self.state_slots.pool.free(state.own_states())
             del self._rows[row]
             self._allocated[row] = -1
             self.table.close(row)
@@ -364,7 +380,7 @@ class CacheManager:
                 raise IntegrityError("a running request's page-table row disagrees with the tree")
         self._check_page_table()
         if self.state_slots is not None:
-            self.state_slots.check([state.state_slot for state in self._rows.values()])
+            self.state_slots.check([s for state in self._rows.values() for s in state.own_states()])
 
     def _check_page_table(self) -> None:
         """The device page table equals the host one on every running row; the padding row is intact."""

@@ -192,14 +192,27 @@ class StateSlots:
         already; returns whether it attached one."""
         if handle.state_slot is not None:
             return False
-        slot = self.take(source)
-        duplicate = self.tree.attach_snapshot(handle, handle.cached_len, slot)
+        return self.attach(handle, handle.cached_len, self.take(source))
+
+    def hold(self, held: tuple[int, int] | None, source: int, length: int) -> tuple[int, int]:
+        """Copies slot `source` (the state after `length` tokens) into the held slot of `held` (a
+        `(length, slot)` pair; a new slot if None), to attach later; returns the new pair."""
+        if length <= 0 or length % self.tree.page_size:
+            raise ValueError(f"a held snapshot ends at a page multiple > 0, not {length}")
+        slot = self.alloc(zero=False) if held is None else held[1]
+        self.pool.copy_slot(source, slot)
+        return length, slot
+
+    def attach(self, handle: MatchHandle, length: int, slot: int) -> bool:
+        """`SnapshotRadixCache.attach_snapshot`, freeing `slot` if that node has a snapshot already."""
+        duplicate = self.tree.attach_snapshot(handle, length, slot)
         if duplicate is not None:
             self.pool.free([duplicate])
         return duplicate is None
 
     def check(self, running: list[int | None]) -> None:
-        """Every allocated slot is held once, by one running row (`running`) or one snapshot; no other
+        """Every allocated slot is held once, by running rows (`running`: their own and held slots) or one
+        snapshot; no other
         slot is allocated, and the free list is disjoint from them."""
         try:
             self.pool.check_integrity()
