@@ -45,7 +45,8 @@ class CacheManager:
     A row's slots live in the page table (`table`, host and device), written once when allocated; the
     slots a row owns are those past `handle.cached_len`; the prefix before that belongs to the tree.
     With a `state_pool` (a model with state layers), matches end at state snapshots, `open_row` gives
-    the row a running state slot (the matched snapshot's copy, or zeros) and `snapshot_row` saves it.
+    the row a running state slot (the matched snapshot's copy, or zeros) and `snapshot_row` /
+    `hold_snapshot` save it as snapshots on the tree.
     """
 
     def __init__(
