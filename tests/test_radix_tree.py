@@ -318,8 +318,9 @@ class RadixMachine(RuleBasedStateMachine):
         assert tree_slots(self.tree) == model_slots  # first insert's slots win, nothing else is kept
 
 
-def _machine(ps: int) -> type[RadixMachine]:
-    cls = type(f"RadixMachinePS{ps}", (RadixMachine,), {"PAGE_SIZE": ps})
+def _machine(ps: int, base: type[RuleBasedStateMachine] = RadixMachine) -> type[RuleBasedStateMachine]:
+    """`base` with page size `ps` and the settings of these stateful tests."""
+    cls = type(f"{base.__name__}PS{ps}", (base,), {"PAGE_SIZE": ps})
     cls.TestCase.settings = settings(
         max_examples=100, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
     )

@@ -137,3 +137,20 @@ def read_checked(f, name: str, digests: dict[str, str], path) -> torch.Tensor:
     if tensor_digest(tensor) != digests[name]:
         raise CacheFileError(f"{path}: {name} does not match its digest (the file is corrupted)")
     return tensor
+
+
+def check_tree(parent, length, last_access, tokens, page_size: int, vocab_size: int, path) -> None:
+    """Raises CacheFileError unless the arrays describe a valid page-aligned prefix tree."""
+    n, ps = len(parent), page_size
+    if len(length) != n or len(last_access) != n or length.sum() != len(tokens):
+        raise CacheFileError(f"{path}: tree arrays disagree in length")
+    if n and (np.any(parent < -1) or np.any(parent >= np.arange(n))):
+        raise CacheFileError(f"{path}: tree nodes are not stored parents first")
+    if np.any(length <= 0) or np.any(length % ps):
+        raise CacheFileError(f"{path}: a tree node's length is not a positive multiple of page_size={ps}")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise CacheFileError(f"{path}: token ids outside the model's vocabulary")
+    starts = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    keys = {(int(p), tokens[s : s + ps].tobytes()) for p, s in zip(parent, starts)}
+    if len(keys) != n:
+        raise CacheFileError(f"{path}: two children of one node start with the same page")

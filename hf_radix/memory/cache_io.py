@@ -6,7 +6,8 @@ order), then per layer `k.{i}` / `v.{i}` (`[tokens, kv_heads, head_dim]`, the po
 order), streamed one layer at a time. The metadata holds the format version, page size, dtype, head layout,
 the adapter set (namespace) the prefixes were computed with, a model fingerprint (config digest + a digest
 of sampled weights) and a digest of every tensor: a file from another model, weights, adapter set, dtype or
-layout, or a damaged one, is refused before the engine changes. A save holds the active adapter set's
+layout, or a damaged one, is refused before the engine changes. Models with state layers add the state
+snapshots on the nodes and their layout (`cache_states`). A save holds the active adapter set's
 prefixes of both tiers; a load fills the GPU pool and the host tier with the most recent ones that fit.
 """
 
@@ -30,6 +31,7 @@ from .cache_file import (
     FORMAT_VERSION,
     TREE_TENSORS,
     CacheFileError,
+    check_tree,
     host_bytes,
     model_fingerprint,
     read_checked,
@@ -38,6 +40,7 @@ from .cache_file import (
     tensor_digest,
     write_header,
 )
+from .cache_states import attach_snapshots, read_snapshots, snapshot_tensors, state_layout, state_tensor_names
 from .placement import require_one_device
 from .radix_tree import RadixNode, RadixPrefixCache
 
@@ -58,6 +61,7 @@ def _layout(engine: RadixEngine) -> dict[str, str]:
         "num_kv_heads": str(shape.num_kv_heads),
         "head_dim": str(shape.head_dim),
         "namespace": engine.state.namespace_label(),  # the adapter set the prefixes were computed with
+        **state_layout(engine),  # models with state layers: their snapshots' layout
     }
 
 
@@ -98,6 +102,7 @@ def save_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "tree.tokens": tokens,
     }
     tensors: dict[str, torch.Tensor | None] = {k: torch.from_numpy(v) for k, v in tree.items()}
+    tensors.update(snapshot_tensors(engine, nodes))
     read_kv = _SavedKV(engine, slots, host_base)
     gathers = {}
     for layer in range(pool.shape.num_layers):
@@ -149,7 +154,7 @@ def _tree_to_save(engine: RadixEngine) -> tuple[list[RadixNode], np.ndarray, int
     merged = RadixPrefixCache(manager.page_size)
     for source, shift in ((manager.tree, 0), (tier.tree, host_base)):
         for node in source.nodes():
-            if not node.children:
+            if not node.children or node.state_slot is not None:  # a node boundary at every snapshot
                 path, values = _path(node)
                 merged.insert_prefix(path, values + shift)
     nodes = merged.nodes()
@@ -219,7 +224,8 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     before the tree changes; on any error the engine is left as it was. Prefixes that do not fit in the
     free pages are skipped (least recently used first). A host tier, too, takes the most recently used
     whole paths that fit in its free host pages. Returns {"tokens" (loaded into the pool), "host_tokens"
-    (into the host tier), "saved_tokens", "bytes", "seconds", "gb_per_s"}.
+    (into the host tier), "saved_tokens", "snapshots" (state snapshots attached: models with state
+    layers), "bytes", "seconds", "gb_per_s"}.
     """
     _prepare(engine, "load")
     start = time.perf_counter()
@@ -234,13 +240,13 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         _check_metadata(engine, metadata, path)
         digests = read_digests(metadata, path)
         kv_names = [f"{kind}.{layer}" for layer in range(engine.pool.shape.num_layers) for kind in "kv"]
-        if set(f.keys()) != {*TREE_TENSORS, *kv_names} or set(digests) != set(f.keys()):
-            raise CacheFileError(
-                f"{path}: unexpected tensors {sorted(set(f.keys()) ^ {*TREE_TENSORS, *kv_names})}"
-            )
+        expected = {*TREE_TENSORS, *kv_names, *state_tensor_names(engine)}
+        if set(f.keys()) != expected or set(digests) != set(f.keys()):
+            raise CacheFileError(f"{path}: unexpected tensors {sorted(set(f.keys()) ^ expected)}")
         tree = {name: read_checked(f, name, digests, path) for name in TREE_TENSORS}
         parent, length, last_access, tokens = (tree[n].numpy() for n in TREE_TENSORS)
-        _check_tree(engine, parent, length, last_access, tokens, path)
+        check_tree(parent, length, last_access, tokens, engine.page_size, engine.vocab_size, path)
+        snapshots = read_snapshots(engine, f, digests, len(parent), path)
         dims = {"k": engine.pool.shape.head_dim, "v": engine.pool.shape.value_dim}
         for name in kv_names:
             kv_shape = [len(tokens), engine.pool.shape.num_kv_heads, dims[name[0]]]
@@ -273,6 +279,7 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
     manager.release_pages(_insert(manager.tree, parent, last_access, tokens, offsets, taken, staged))
     if tier is not None:
         tier.release_pages(_insert(tier.tree, parent, last_access, tokens, offsets, host_taken, host_staged))
+    attached = attach_snapshots(engine, snapshots, parent, last_access, tokens, offsets, [taken, host_taken])
     kv_bytes = len(tokens) * engine.pool.shape.bytes_per_token(engine.pool.dtype)
     seconds = time.perf_counter() - start
     logger.info("loaded %d of %d cached tokens from %s in %.2fs (%d into the host tier)", len(staged),
@@ -281,6 +288,7 @@ def load_cache(engine: RadixEngine, path: str | os.PathLike) -> dict:
         "tokens": len(staged),
         "host_tokens": len(host_staged),
         "saved_tokens": len(tokens),
+        "snapshots": attached,
         "bytes": kv_bytes,
         "seconds": seconds,
         "gb_per_s": kv_bytes / 1e9 / seconds,
@@ -309,23 +317,6 @@ def _check_metadata(engine: RadixEngine, metadata: dict[str, str], path) -> None
         )
     if metadata.get("weights_digest") != fingerprint["weights_digest"]:
         raise CacheFileError(f"{path} was saved from a model with other weights (same configuration)")
-
-
-def _check_tree(engine: RadixEngine, parent, length, last_access, tokens, path) -> None:
-    """Raises CacheFileError unless the arrays describe a valid page-aligned prefix tree."""
-    n, ps = len(parent), engine.page_size
-    if len(length) != n or len(last_access) != n or length.sum() != len(tokens):
-        raise CacheFileError(f"{path}: tree arrays disagree in length")
-    if n and (np.any(parent < -1) or np.any(parent >= np.arange(n))):
-        raise CacheFileError(f"{path}: tree nodes are not stored parents first")
-    if np.any(length <= 0) or np.any(length % ps):
-        raise CacheFileError(f"{path}: a tree node's length is not a positive multiple of page_size={ps}")
-    if len(tokens) and (tokens.min() < 0 or tokens.max() >= engine.vocab_size):
-        raise CacheFileError(f"{path}: token ids outside the model's vocabulary")
-    starts = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
-    keys = {(int(p), tokens[s : s + ps].tobytes()) for p, s in zip(parent, starts)}
-    if len(keys) != n:
-        raise CacheFileError(f"{path}: two children of one node start with the same page")
 
 
 def _select_mru(parent, length, last_access, budget: int, page_size: int) -> dict[int, int]:

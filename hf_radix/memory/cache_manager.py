@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from .page_table import PageTable
+from .radix_snapshots import SnapshotRadixCache, StateSlots
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
+from .state_pool import StatePool
 
 if TYPE_CHECKING:
     from .host_tier import HostTier
@@ -23,9 +25,16 @@ class OutOfPagesError(RuntimeError):
 
 @dataclass
 class _Row:
-    """A running request's page-table row: the lock on its cached prefix (the tree node it reads)."""
+    """A running request's page-table row: the lock on its cached prefix (the tree node it reads) and,
+    for a model with state layers, the state slot its forwards read and write."""
 
     handle: MatchHandle
+    state_slot: int | None = None
+    held: tuple[int, int] | None = None  # (length, slot): a state copy to attach once the tree has length
+
+    def own_states(self) -> list[int | None]:
+        """The state slots the row holds: its running slot and its held copy's, if any."""
+        return [self.state_slot] + ([self.held[1]] if self.held else [])
 
 
 class CacheManager:
@@ -35,6 +44,9 @@ class CacheManager:
     `cache_req(finished=False)` after prefill → … → `cache_req(finished=True)` (finish or abort alike).
     A row's slots live in the page table (`table`, host and device), written once when allocated; the
     slots a row owns are those past `handle.cached_len`; the prefix before that belongs to the tree.
+    With a `state_pool` (a model with state layers), matches end at state snapshots, `open_row` gives
+    the row a running state slot (the matched snapshot's copy, or zeros) and `snapshot_row` /
+    `hold_snapshot` save it as snapshots on the tree.
     """
 
     def __init__(
@@ -45,10 +57,17 @@ class CacheManager:
         device: torch.device | str = "cpu",
         scratch_slot: int | None = None,
         row_tokens: int | None = None,
+        state_pool: StatePool | None = None,
     ):
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.tree = RadixPrefixCache(page_size)
+        # running rows' state slots and the tree's snapshots, taken from `state_pool`
+        self.state_slots: StateSlots | None = None
+        if state_pool is None:
+            self.tree = RadixPrefixCache(page_size)
+        else:
+            self.tree = SnapshotRadixCache(page_size, state_pool)
+            self.state_slots = StateSlots(state_pool, self.tree)
         self.page_size = page_size
         self.num_pages = num_pages
         scratch = num_pages * page_size if scratch_slot is None else scratch_slot
@@ -109,12 +128,13 @@ class CacheManager:
         """Creates a page-table row for a request whose locked `handle` covers its cached prefix."""
         if not handle.locked:
             raise ValueError("open_row needs a locked handle; lock it first so the prefix cannot be evicted")
+        state_slot = None if self.state_slots is None else self.state_slots.take(handle.state_slot)
         row = self.table.open()
         if row >= len(self._allocated):
             self._allocated = np.concatenate(
                 [self._allocated, np.full(self.table.capacity - len(self._allocated), -1, dtype=np.int64)]
             )
-        self._rows[row] = _Row(handle)
+        self._rows[row] = _Row(handle, state_slot)
         self.lock_version += 1
         self._allocated[row] = handle.cached_len
         self.table.write_row(row, 0, handle.matched_indices())
@@ -144,6 +164,27 @@ class CacheManager:
     def row_cached_len(self, row: int) -> int:
         """Length of the row's prefix held (and locked) in the tree."""
         return self._rows[row].handle.cached_len
+
+    # -- state slots (models with state layers) -----------------------------------------------------
+    def row_state_slot(self, row: int) -> int | None:
+        """The state slot the row's forwards read and write (None without a state pool)."""
+        return self._rows[row].state_slot
+
+    def snapshot_row(self, row: int) -> bool:
+        """Saves a copy of the row's state as the snapshot at the end of its cached prefix.
+
+        Call it right after the forward that ended at `row_cached_len(row)` (a page multiple > 0) and
+        the `cache_req(finished=False)` that inserted it. Returns False if that node had a snapshot.
+        """
+        return self.state_slots.snapshot(self._rows[row].handle, self._rows[row].state_slot)
+
+    def hold_snapshot(self, row: int, length: int) -> None:
+        """Keeps a copy of the row's state (after its first `length` tokens: its last forward ended there,
+        a page multiple) in a slot of its own, replacing an earlier one; the `cache_req` that brings the
+        row's cached prefix to `length` attaches it (e.g. the last page boundary of a decode, at release).
+        """
+        state = self._rows[row]
+        state.held = self.state_slots.hold(state.held, state.state_slot, length)
 
     def allocate(self, rows: Sequence[int], lengths: Sequence[int]) -> None:
         """Grows each row's allocation to cover `lengths[i]` tokens, evicting from the tree once if needed.
@@ -210,11 +251,16 @@ class CacheManager:
         else:
             keys = np.asarray(token_ids[:aligned])
             present, new = self.tree.insert_prefix(keys, slots[:aligned].astype(np.int64))
+        if state.held is not None and state.held[0] <= aligned:
+            self.state_slots.attach(new, *state.held)
+            state.held = None
         self.tree.unlock(old)
         self.lock_version += 1
         self._release(slots[old.cached_len : present])
         if finished:
             self._release(slots[aligned:])
+            if state.state_slot is not None:  # and a held copy its tokens never reached
+                self.state_slots.pool.free(state.own_states())
             del self._rows[row]
             self._allocated[row] = -1
             self.table.close(row)
@@ -334,6 +380,8 @@ class CacheManager:
             if not np.array_equal(rows[row][: state.handle.cached_len], state.handle.matched_indices()):
                 raise IntegrityError("a running request's page-table row disagrees with the tree")
         self._check_page_table()
+        if self.state_slots is not None:
+            self.state_slots.check([s for state in self._rows.values() for s in state.own_states()])
 
     def _check_page_table(self) -> None:
         """The device page table equals the host one on every running row; the padding row is intact."""

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers.utils import logging
 
+from .host_states import HostSnapshots
 from .radix_tree import IntegrityError, MatchHandle, RadixNode, RadixPrefixCache
 
 if TYPE_CHECKING:
@@ -61,7 +62,8 @@ def _runs(pages: np.ndarray) -> list[tuple[int, int, int]]:
 class HostTier:
     """LRU prefix cache in host memory behind a GPU `CacheManager`; see the module docstring."""
 
-    def __init__(self, pool: KVPool, num_tokens: int, staging_pages: int | None = None):
+    def __init__(self, pool: KVPool, num_tokens: int, staging_pages: int | None = None,
+                 state_slots: int | None = None):
         ps = pool.page_size
         self.pool = pool
         self.page_size = ps
@@ -87,6 +89,10 @@ class HostTier:
             self._staging = [torch.empty(staging, dtype=pool.dtype, device=pool.device) for _ in range(2)]
         self._free = np.arange(self.num_pages, dtype=np.int64) * ps  # first slot of each free page, sorted
         self.manager: CacheManager | None = None
+        # a manager with state layers: snapshots kept here too (`state_slots` of them; default: as many as
+        # the manager's state pool holds)
+        self.snapshots: HostSnapshots | None = None
+        self._state_slots = state_slots
         self.stored_tokens = 0  # copied out to host memory
         self.restored_tokens = 0  # copied back into GPU pages
         self.evicted_tokens = 0  # dropped from the host tier (LRU)
@@ -102,6 +108,11 @@ class HostTier:
         """Puts the tier behind `manager`: its evictions come here and its matches look here."""
         if manager.page_size != self.page_size:
             raise ValueError("the host tier and the cache manager must share one page size")
+        if manager.state_slots is not None:
+            slots = self._state_slots or manager.state_slots.pool.num_slots
+            self.snapshots = HostSnapshots(self, manager.state_slots, slots)
+        elif self.snapshots is not None:
+            raise ValueError("this host tier keeps state snapshots: attach it to a manager with state layers")
         self.manager = manager
         manager.host_tier = self
         manager.tree.on_evict = self._keep
@@ -114,7 +125,7 @@ class HostTier:
     # -- GPU -> host ---------------------------------------------------------------------------------
     def _keep(self, node: RadixNode) -> None:
         """Eviction callback of the GPU tree: copies the part of `node`'s path the host tree lacks."""
-        keys, values = [], []
+        keys, values, snapshot = [], [], node.state_slot
         while node.parent is not None:
             keys.append(node.key)
             values.append(node.value)
@@ -122,13 +133,16 @@ class HostTier:
         current = self.tree.namespace  # the evicted leaf may belong to another adapter set's tree
         self.tree.namespace = self.manager.tree.namespace_of(node)
         try:
-            self._store(np.concatenate(keys[::-1]), values)
+            ids = np.concatenate(keys[::-1])
+            self._store(ids, values)
+            if snapshot is not None and self.snapshots is not None:
+                self.snapshots.keep(ids, snapshot)
         finally:
             self.tree.namespace = current
 
     def _store(self, ids: np.ndarray, values: list[np.ndarray]) -> None:
         """Copies the part of the path `ids` (slots: `values`, deepest first) that the host tree lacks."""
-        handle = self.tree.match_prefix(ids)  # also marks the path recently used
+        handle = self.tree.match_kv(ids)  # also marks the path recently used
         have = handle.cached_len
         if have == len(ids):
             return
@@ -187,6 +201,8 @@ class HostTier:
         ps, gpu_len = self.page_size, handle.cached_len
         if len(ids) - gpu_len < ps or not self.tree.size_info.total_size:
             return handle
+        if self.snapshots is not None:
+            return self.snapshots.extend_match(ids, handle)
         host_handle = self.tree.match_prefix(ids)
         host_len = host_handle.cached_len
         if host_len <= gpu_len:
@@ -285,6 +301,8 @@ class HostTier:
     def check_integrity(self) -> None:
         """Raises IntegrityError unless the host tree is sound, unlocked, and free + held == host pages."""
         self.tree.check_integrity()
+        if self.snapshots is not None:
+            self.snapshots.check_integrity()
         ps, size = self.page_size, self.tree.size_info
         if size.protected_size:
             raise IntegrityError(f"{size.protected_size} host-tier tokens are still locked between calls")

@@ -27,9 +27,15 @@ class SizeInfo:
 
 
 class RadixNode:
-    """One path-compressed segment: `key` token ids and the slot indices (`value`) holding their KV."""
+    """One path-compressed segment: `key` token ids and the slot indices (`value`) holding their KV.
 
-    __slots__ = ("key", "value", "parent", "children", "ref_count", "last_access", "_queued_tick")
+    `state_slot`: in a tree of a model with state layers, the `StatePool` slot holding the layers' state
+    after the segment's last token (a snapshot), or None.
+    """
+
+    __slots__ = (
+        "key", "value", "parent", "children", "ref_count", "last_access", "_queued_tick", "state_slot"
+    )
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: RadixNode | None, ref_count: int,
                  last_access: int) -> None:
@@ -40,6 +46,7 @@ class RadixNode:
         self.ref_count = ref_count
         self.last_access = last_access
         self._queued_tick = -1  # last_access value for which an eviction-heap entry was pushed
+        self.state_slot: int | None = None
 
     def __repr__(self) -> str:
         return f"RadixNode(len={len(self.key)}, ref_count={self.ref_count}, last_access={self.last_access})"
@@ -69,6 +76,11 @@ class MatchHandle:
         if not parts:
             return np.empty(0, dtype=np.int64)
         return np.concatenate(parts[::-1])
+
+    @property
+    def state_slot(self) -> int | None:
+        """The snapshot to restore the state layers from (the state after `cached_len` tokens), or None."""
+        return self.node.state_slot
 
     def __repr__(self) -> str:
         return f"MatchHandle(cached_len={self.cached_len}, locked={self.locked})"

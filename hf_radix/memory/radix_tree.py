@@ -24,6 +24,8 @@ __all__ = ["IntegrityError", "MatchHandle", "RadixNode", "RadixPrefixCache", "Si
 class RadixPrefixCache:
     """Radix-tree prefix cache: match, insert, lock/unlock and LRU-evict token prefixes."""
 
+    needs_snapshots = False  # True in `SnapshotRadixCache`: matches end at a state snapshot
+
     def __init__(self, page_size: int = 1) -> None:
         if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
@@ -75,6 +77,10 @@ class RadixPrefixCache:
         node, length = self._walk(ids, self._next_tick())
         self._maybe_queue(node)
         return MatchHandle(self, length, node)
+
+    def match_kv(self, token_ids: Any) -> MatchHandle:
+        """The longest cached K/V prefix, whether or not a snapshot ends it (here: `match_prefix`)."""
+        return RadixPrefixCache.match_prefix(self, token_ids)
 
     def insert_prefix(self, token_ids: Any, slot_indices: Any) -> tuple[int, MatchHandle]:
         """Inserts `token_ids` -> `slot_indices`; returns (length already cached, handle at its end).
@@ -131,34 +137,9 @@ class RadixPrefixCache:
 
     def evict(self, num_tokens: int) -> np.ndarray:
         """Removes LRU unreferenced leaves until >= `num_tokens` tokens are freed; returns their slots."""
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
-            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        if num_tokens > self._evictable:
-            raise ValueError(f"cannot evict {num_tokens} tokens: only {self._evictable} are evictable")
+        self._check_evict_size(num_tokens)
         freed: list[np.ndarray] = []
-        total = 0
-        heap = self._heap
-        while total < num_tokens:
-            if not heap:
-                raise IntegrityError("eviction heap ran dry before the evictable size was reached")
-            tick, _, node = heapq.heappop(heap)
-            if node.parent is None or tick != node.last_access:
-                continue  # stale entry: node evicted or touched since it was queued
-            if node.ref_count or node.children:
-                node._queued_tick = -1  # re-queued when it becomes an evictable leaf again
-                continue
-            if self.on_evict is not None:
-                self.on_evict(node)
-            parent = node.parent
-            del parent.children[self._child_key(node.key)]
-            node.parent = None
-            freed.append(node.value)
-            total += len(node.key)
-            self._evictable -= len(node.key)
-            self._num_nodes -= 1
-            self._maybe_queue(parent)
+        self._evict_from(self._heap, num_tokens, freed)
         return np.concatenate(freed) if freed else np.empty(0, dtype=np.int64)
 
     def nodes(self) -> list[RadixNode]:
@@ -250,6 +231,49 @@ class RadixPrefixCache:
                 counts[id(node)] = counts.get(id(node), 0) + 1
                 node = node.parent
         return counts
+
+    def _check_evict_size(self, num_tokens: int) -> None:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens must be an int, got {num_tokens!r}")
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        if num_tokens > self._evictable:
+            raise ValueError(f"cannot evict {num_tokens} tokens: only {self._evictable} are evictable")
+
+    def _evict_from(self, heap: list[tuple[int, int, RadixNode]], num_tokens: int, freed: list[np.ndarray],
+                    bare_only: bool = False) -> int:
+        """Pops `heap` and removes its evictable leaves until `num_tokens` tokens are freed (their slots
+        appended to `freed`); returns the tokens freed. `bare_only`: only leaves without a snapshot, and
+        the heap may run dry first."""
+        total = 0
+        while total < num_tokens:
+            if not heap:
+                if bare_only:
+                    break
+                raise IntegrityError("eviction heap ran dry before the evictable size was reached")
+            tick, _, node = heapq.heappop(heap)
+            if node.parent is None or tick != node.last_access:
+                continue  # stale entry: node evicted or touched since it was queued
+            if node.ref_count or node.children:
+                node._queued_tick = -1  # re-queued when it becomes an evictable leaf again
+                continue
+            if bare_only and node.state_slot is not None:
+                continue  # it has a snapshot now: the main heap holds it
+            freed.append(self._remove_leaf(node))
+            total += len(freed[-1])
+        return total
+
+    def _remove_leaf(self, node: RadixNode) -> np.ndarray:
+        """Detaches the evictable leaf `node` (after `on_evict` saw it); returns its slots."""
+        if self.on_evict is not None:
+            self.on_evict(node)
+        parent = node.parent
+        del parent.children[self._child_key(node.key)]
+        node.parent = None
+        self._evictable -= len(node.key)
+        self._num_nodes -= 1
+        self._maybe_queue(parent)
+        return node.value
 
     def _next_tick(self) -> int:
         self._tick += 1

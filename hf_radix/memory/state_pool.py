@@ -78,6 +78,11 @@ class StatePool:
     def num_used(self) -> int:
         return len(self._used)
 
+    @property
+    def used_slots(self) -> frozenset[int]:
+        """The allocated slots."""
+        return frozenset(self._used)
+
     def alloc(self, n: int = 1, zero: bool = True) -> list[int]:
         """Take ``n`` free slots (zeroed unless ``zero=False``); raises :class:`StatePoolError` if short."""
         if n > len(self._free):
