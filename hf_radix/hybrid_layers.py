@@ -122,6 +122,15 @@ def _mixer(layer: nn.Module, attr: str) -> nn.Module | None:
     return mixer if hasattr(mixer, "conv1d") or hasattr(mixer, "conv") else None
 
 
+def state_mixers(model: nn.Module) -> dict[int, nn.Module]:
+    """The state-keeping mixer module of each state layer of ``model``, by layer index."""
+    mtype = model.config.get_text_config(decoder=True).model_type
+    if mtype not in FAMILIES:
+        raise ValueError(f"{mtype!r} is not a known hybrid or state-space family")
+    mixers = {idx: _mixer(layer, FAMILIES[mtype]) for idx, layer in enumerate(_layers(model))}
+    return {idx: mixer for idx, mixer in mixers.items() if mixer is not None}
+
+
 def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateLayerSpec]:
     """The state layers of ``model`` and the shape of each state, read from the modules.
 
