@@ -10,6 +10,7 @@ from .cache_utils import RadixCache
 from .engine import RadixEngine, configure, get_engine
 from .errors import RequestError, TrainingModeError, UnsupportedModelError
 from .integrations.data_parallel import DataParallelRunner
+from .integrations.evaluation import score_choices
 from .integrations.generate_hook import register_generate_support
 from .memory import cache_io as _cache_io
 from .memory.cache_io import CacheFileError
@@ -40,6 +41,7 @@ __all__ = [
     "load_cache",
     "reset_cache",
     "save_cache",
+    "score_choices",
 ]
 __version__ = "0.1.0"
 
