@@ -198,8 +198,10 @@ class RadixBatchRunner:
         return loglikelihood_rolling(self, texts, progress)
 
     def check_integrity(self) -> None:
-        """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""
+        """Raises IntegrityError unless every page is free, in the tree, or held by a running request, and
+        every request of a run is in the scheduler's collection of its status, its lengths in order."""
         self.engine.check_integrity()
+        self.scheduler.queues.check()
 
     def reset_cache(self) -> None:
         """Drops every cached prefix."""

@@ -144,6 +144,7 @@ class Scheduler:
         return items
 
     def _running(self) -> RunningRows:
+        """The running requests as arrays (see `RequestQueues.running_rows`)."""
         return self.queues.running_rows()
 
     # -- launching a step ----------------------------------------------------------------------------

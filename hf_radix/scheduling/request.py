@@ -153,7 +153,7 @@ class Req:
         """Raises IntegrityError unless the lengths agree with each other and with the status (the
         scheduler checks at each status change; a running request's counters must be settled)."""
         status = self.status
-        ok = 0 <= self.host_cached_len <= self.cached_len <= self.computed_len <= max(self.final_len, 1)
+        ok = 0 <= self.host_cached_len <= self.cached_len <= self.computed_len <= self.final_len
         if status is RequestStatus.WAITING:
             ok &= self.row is None and self.computed_len == 0 and self.finish_reason is None
         elif status in HOLDS_ROW:

@@ -81,8 +81,10 @@ class RequestQueues:
             rows.settle()
 
     def check(self) -> None:
-        """Raises IntegrityError unless every request's status names its collection and its lengths hold."""
-        self.settle()
+        """Raises IntegrityError unless every request's status names its collection and its lengths hold
+        (the running requests' counters are brought up to date; their arrays stay)."""
+        if self._rows is not None:
+            self._rows.settle()
         for status, reqs in [(WAITING, self.waiting), *self._by_status.items()]:
             for req in reqs:
                 if req.status is not status:
