@@ -199,7 +199,7 @@ def measure_decode(args, replay: bool = False) -> dict:
     scheduler = runner.scheduler
 
     def is_decode(items):
-        return bool(items) and len(items) == len(scheduler.running)
+        return bool(items) and len(items) == len(scheduler.queues.running)
 
     counter = _OpTimer()
     _timed_steps(runner, prompts, params, is_decode, lambda: counter)

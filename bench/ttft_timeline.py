@@ -28,7 +28,7 @@ from generate_bench import distinct_questions  # noqa: E402
 import hf_radix  # noqa: E402
 from hf_radix import engine  # noqa: E402
 from hf_radix.forward import cuda_graph, model_runner, staging  # noqa: E402
-from hf_radix.integrations import generate_hook, generate_session  # noqa: E402
+from hf_radix.integrations import generate_hook, generate_rows, generate_session  # noqa: E402
 from hf_radix.kernels import triton_slots  # noqa: E402
 from hf_radix.memory import cache_manager, page_table, radix_tree  # noqa: E402
 from hf_radix.paged_attention import forward_batch  # noqa: E402
@@ -69,7 +69,7 @@ STAMPS = Stamps()
 
 def instrument() -> None:
     """Wraps the milestones of a radix generate call with `STAMPS` marks."""
-    cls = generate_session.RadixGenerateCache
+    cls, rows = generate_session.RadixGenerateCache, generate_rows.GenerateRows
 
     def wrap(owner, name: str, before: str | None, after: str | None, event_after: bool = False) -> None:
         original = getattr(owner, name)
@@ -92,8 +92,8 @@ def instrument() -> None:
         (generate_hook, "_effective_config"), (generate_hook, "_check_supported"),
         (generate_hook, "get_engine"), (generate_hook, "_route_forward"), (cls, "__init__"),
         (model_runner.ModelRunner, "ensure_warm"),
-        (cls, "_open_rows"), (generate_session, "host_inputs"), (cls, "_check_capacity"), (cls, "_step"),
-        (cls, "_allocate"), (cls, "_cache_prompts"), (cls, "_prepare_next"),
+        (cls, "_open_rows"), (generate_session, "host_inputs"), (rows, "open"), (rows, "check_capacity"),
+        (rows, "step"), (rows, "allocate"), (rows, "cache_prompts"), (cls, "_prepare_next"),
         (cache_manager.CacheManager, "match"), (cache_manager.CacheManager, "lock"),
         (cache_manager.CacheManager, "open_row"), (cache_manager.CacheManager, "allocate"),
         (cache_manager.CacheManager, "cache_req"), (model_runner.ModelRunner, "forward"),

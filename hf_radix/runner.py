@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import time
 from collections.abc import Iterable, Sequence
@@ -16,11 +15,10 @@ from .integrations.evaluation import loglikelihood_rolling
 from .memory.cache_io import load_cache, save_cache
 from .options import EngineOptions
 from .scheduler import Scheduler
-from .scheduling.request import Req, RequestOutput, pair_items, prompt_items, token_id_array, token_id_list
-from .scheduling.sampling import SamplingParams, generate_new_tokens
+from .scheduling.inputs import pair_items, params_per_prompt, prompt_items, token_arrays, token_id_list
+from .scheduling.request import Req, RequestOutput, RequestStatus
+from .scheduling.sampling import SamplingParams
 from .stats import RadixStats
-
-_NO_TOKENS = np.empty(0, dtype=np.int64)  # the tokens of an item that failed conversion
 
 
 class RadixBatchRunner:
@@ -88,52 +86,6 @@ class RadixBatchRunner:
         """Host (and, when profiled, GPU) seconds of each decode step so far."""
         return self.scheduler.step_times
 
-    # -- inputs --------------------------------------------------------------------------------------
-    def _tokenize(self, items: Iterable, kind: str = "prompts") -> list[list[int]]:
-        """Every item's token ids; an item that is not valid token ids raises (ValueError, naming it)."""
-        items = prompt_items(items, "run") if kind == "prompts" else list(items)
-        arrays, failures = self._token_arrays(items, kind)
-        if failures:
-            index, message = next(iter(failures.items()))
-            raise ValueError(f"{kind[:-1]} {index}: {message}")
-        return [ids.tolist() for ids in arrays]
-
-    def _token_arrays(self, items: list, kind: str = "prompts") -> tuple[list[np.ndarray], dict[int, str]]:
-        """Each item (all strings, or all token-id sequences) as an int64 array; an item that repeats (the
-        same string, or the same object, such as a context scored against each of its choices) is
-        tokenized or converted once and its array shared. Continuations get no special tokens.
-
-        An item that is not a valid token-id sequence (floats, bools, a bare number) gets an empty array
-        and its message in the returned {index: message}: its request fails alone.
-        """
-        if not items:
-            return [], {}
-        if all(isinstance(p, str) for p in items):
-            if self.tokenizer is None:
-                raise ValueError(f"string {kind} need a tokenizer: RadixBatchRunner(model, tokenizer)")
-            unique = list(dict.fromkeys(items))
-            options = {"add_special_tokens": False} if kind == "continuations" else {}
-            ids = self.tokenizer(unique, **options)["input_ids"]
-            arrays = {text: np.asarray(t, dtype=np.int64) for text, t in zip(unique, ids)}
-            return [arrays[p] for p in items], {}
-        converted: dict[int, np.ndarray | str] = {}  # by id(): `items` keeps every object alive meanwhile
-        out, failures = [], {}
-        for i, p in enumerate(items):
-            if isinstance(p, str):
-                raise ValueError(f"mix of string and token-id {kind}; pass one kind")
-            array = converted.get(id(p))
-            if array is None:
-                try:
-                    array = token_id_array(p)
-                except (TypeError, ValueError) as exc:
-                    array = str(exc)
-                converted[id(p)] = array
-            if isinstance(array, str):
-                failures[i] = array
-                array = _NO_TOKENS
-            out.append(array)
-        return out, failures
-
     def _execute(self, reqs: list[Req], progress: bool | None) -> None:
         engine = get_engine(self.model)  # a new one after configure(), or for a new dtype, device or config
         with engine.lock:  # radix calls of other threads on this engine finish first
@@ -158,7 +110,7 @@ class RadixBatchRunner:
             self.stats.requests += len(reqs)
             self.stats.prompt_tokens += self.engine.stats.prompt_tokens - before[0]
             self.stats.cached_tokens += self.engine.stats.cached_tokens - before[1]
-            generated = sum(len(r.generated) for r in reqs if r.score_from is None)
+            generated = sum(r.num_generated for r in reqs if r.score_from is None)
             self.stats.generated_tokens += generated
             self.engine.stats.generated_tokens += generated
             self.stats.computed_tokens += self.engine.stats.computed_tokens - before[2]
@@ -181,77 +133,31 @@ class RadixBatchRunner:
         `error`; `errors="raise"` raises a `RequestError` (carrying every output) after the others completed.
         """
         check_error_mode(errors)
-        arrays, invalid = self._token_arrays(prompt_items(prompts, "run"))
-        params = self._params_per_prompt(
-            sampling_params, len(arrays), [len(ids) for ids in arrays], failures=invalid
-        )
-        reqs = [Req(i, ids.tolist(), p, ids_array=ids) for i, (ids, p) in enumerate(zip(arrays, params))]
+        arrays, invalid = token_arrays(self.tokenizer, prompt_items(prompts, "run"))
+        params = params_per_prompt(self.model, sampling_params, [len(ids) for ids in arrays], invalid)
+        reqs = [Req(i, ids, p) for i, (ids, p) in enumerate(zip(arrays, params))]
         for i, message in invalid.items():
-            Scheduler._fail(reqs[i], message)
+            reqs[i].fail(message)
         self._execute(reqs, progress)
         outputs = [self._output(r) for r in reqs]
         failures = {i: o.error for i, o in enumerate(outputs) if o.finish_reason == "error"}
         return raise_or_return(outputs, failures, errors, "requests")
 
-    def _params_per_prompt(
-        self,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-        num_prompts: int,
-        prompt_lens: Sequence[int] | None = None,
-        failures: dict[int, str] | None = None,
-    ) -> list[SamplingParams]:
-        """One SamplingParams per prompt: the given one repeated, the given list, or, without either,
-        `model.generation_config`'s, each prompt's length as generate decides it from `prompt_lens`; a prompt
-        it leaves no room for gets its message in `failures` (its request then fails alone)."""
-        if not sampling_params:
-            return self._generation_config_params(num_prompts, prompt_lens, failures)
-        params = sampling_params
-        params = [params] * num_prompts if isinstance(params, SamplingParams) else list(params)
-        if len(params) != num_prompts:
-            raise ValueError(f"got {len(params)} SamplingParams for {num_prompts} prompts")
-        return params
-
-    def _generation_config_params(
-        self, num_prompts: int, prompt_lens: Sequence[int] | None, failures: dict[int, str] | None
-    ) -> list[SamplingParams]:
-        config = self.model.generation_config
-        if prompt_lens is None:
-            return [SamplingParams.from_generation_config(config)] * num_prompts
-        positions = getattr(self.model.config, "max_position_embeddings", None)
-        # the sampling settings (raises for what the runner cannot honour); the length is each prompt's
-        template = SamplingParams.from_generation_config(config, prompt_len=0)
-        by_length: dict[int, SamplingParams | str] = {}
-        params = []
-        for i, length in enumerate(prompt_lens):
-            if length not in by_length:
-                try:
-                    new = generate_new_tokens(config, length, positions)
-                    by_length[length] = dataclasses.replace(template, max_new_tokens=new)
-                except ValueError as exc:  # no room left after the prompt: generate would raise
-                    by_length[length] = str(exc)
-            chosen = by_length[length]
-            if isinstance(chosen, str):
-                if failures is not None:
-                    failures.setdefault(i, chosen)
-                chosen = dataclasses.replace(template, max_new_tokens=0)
-            params.append(chosen)
-        return params
-
     def _output(self, req: Req) -> RequestOutput:
         tokens = req.generated
         text = None
-        if self.tokenizer is not None and req.finish_reason != "error":
+        if self.tokenizer is not None and req.status is not RequestStatus.FAILED:
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             for stop in req.params.stop:
                 cut = text.find(stop)
                 if cut >= 0:
                     text = text[:cut]
         return RequestOutput(
-            prompt_token_ids=req.token_ids[: req.prompt_len],
-            token_ids=list(tokens),
+            prompt_token_ids=req.ids[: req.prompt_len].tolist(),
+            token_ids=tokens,
             text=text,
-            cached_tokens=req.cached_tokens,
-            host_cached_tokens=req.host_cached_tokens,
+            cached_tokens=req.cached_len,
+            host_cached_tokens=req.host_cached_len,
             finish_reason=req.finish_reason,
             error=req.error,
         )
@@ -267,39 +173,35 @@ class RadixBatchRunner:
         """
         check_error_mode(errors)
         pairs = pair_items(pairs)
-        contexts, bad_contexts = self._token_arrays([c for c, _ in pairs], "contexts")
-        continuations, bad_continuations = self._token_arrays([x for _, x in pairs], "continuations")
+        tokenizer = self.tokenizer
+        contexts, bad_contexts = token_arrays(tokenizer, [c for c, _ in pairs], "contexts")
+        continuations, bad_continuations = token_arrays(tokenizer, [x for _, x in pairs], "continuations")
         invalid = {i: f"continuation: {message}" for i, message in bad_continuations.items()}
         invalid.update((i, f"context: {message}") for i, message in bad_contexts.items())
-        context_lists: dict[int, list[int]] = {}  # a shared context's array -> its list, converted once
         reqs = []
         score = SamplingParams(max_new_tokens=0)
         for i, (ctx, cont) in enumerate(zip(contexts, continuations)):
-            ctx_list = context_lists.get(id(ctx))
-            if ctx_list is None:
-                ctx_list = context_lists[id(ctx)] = ctx.tolist()
-            ids = np.concatenate((ctx, cont))
-            req = Req(i, ctx_list + cont.tolist(), score, score_from=len(ctx) - 1, ids_array=ids)
+            req = Req(i, np.concatenate((ctx, cont)), score, score_from=len(ctx) - 1)
             if i in invalid:
-                Scheduler._fail(req, invalid[i])
+                req.fail(invalid[i])
             elif not len(ctx) or not len(cont):
-                Scheduler._fail(req, "context and continuation must both be non-empty")
+                req.fail("context and continuation must both be non-empty")
             reqs.append(req)
         self._execute(reqs, progress)
-        results = [None if r.finish_reason == "error" else (r.logprob, r.greedy_match) for r in reqs]
-        failures = {r.index: r.error for r in reqs if r.finish_reason == "error"}
+        failed = RequestStatus.FAILED
+        results = [None if r.status is failed else (r.logprob, r.greedy_match) for r in reqs]
+        failures = {r.index: r.error for r in reqs if r.status is failed}
         return raise_or_return(results, failures, errors, "scoring requests")
 
     def loglikelihood_rolling(self, texts: Iterable, progress: bool | None = None) -> list[float]:
         """Total log-likelihood of each whole text (perplexity scoring), windowed to the model's context."""
         return loglikelihood_rolling(self, texts, progress)
 
-    def _tokenize_continuations(self, pairs: list) -> list[list[int]]:
-        return self._tokenize([x for _, x in pairs], "continuations")
-
     def check_integrity(self) -> None:
-        """Raises IntegrityError unless every page is free, in the tree, or held by a running request."""
+        """Raises IntegrityError unless every page is free, in the tree, or held by a running request, and
+        every request of a run is in the scheduler's collection of its status, its lengths in order."""
         self.engine.check_integrity()
+        self.scheduler.queues.check()
 
     def reset_cache(self) -> None:
         """Drops every cached prefix."""

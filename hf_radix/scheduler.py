@@ -4,14 +4,15 @@ Every step is one forward holding every running request's decode token plus pref
 token budget (mixed rounds: a request finishing never stalls the others). With overlap on, the host
 schedules and launches step n+1 before it reads step n's sampled tokens: finish checks run one step late,
 and a request that stopped is computed once more and its extra token dropped. Outputs are the same with
-overlap on and off (greedy and seeded sampling).
+overlap on and off (greedy and seeded sampling). Requests live in `RequestQueues` by status; admission
+and prefill planning are `scheduling.admission`'s, reading results and releasing `StepCompleter`'s.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,10 +22,11 @@ from transformers.utils import logging
 
 from .engine import RadixEngine
 from .forward.model_runner import ModelRunner
-from .memory.radix_tree import RadixPrefixCache
 from .paged_attention.forward_batch import StepRows
+from .scheduling.admission import PrefillPlanner, screen
 from .scheduling.logprobs import target_logprobs
-from .scheduling.request import Req
+from .scheduling.request import Req, RequestStatus
+from .scheduling.request_queues import RequestQueues
 from .scheduling.running_rows import Item, RunningRows, StepItems
 from .scheduling.sampling import Sampler
 from .scheduling.schedule_policy import PrefixAwareQueue
@@ -34,7 +36,7 @@ from .scheduling.stop_strings import StopStringDetector
 logger = logging.get_logger(__name__)
 
 POLICIES = ("lpm", "fcfs")
-MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
+DECODING, DRAINING = RequestStatus.DECODING, RequestStatus.DRAINING
 
 
 @dataclass
@@ -71,8 +73,6 @@ class Scheduler:
         self.manager = engine.manager
         self.model_runner = model_runner
         self.tokenizer = tokenizer
-        self.max_running_requests = max_running_requests
-        self.chunked_prefill_size = chunked_prefill_size
         self.schedule_policy = schedule_policy
         self.overlap = overlap
         self._on_cuda = engine.device.type == "cuda"
@@ -82,167 +82,70 @@ class Scheduler:
         self.completer = StepCompleter(
             self.manager, self.sampler, frozenset(eos_token_ids), stop_strings, engine.max_context
         )
-        self.pending: deque[Req] | PrefixAwareQueue = deque()
-        self.prefilling: list[Req] = []
-        self.running: list[Req] = []
-        self.draining: list[Req] = []  # every token launched; waiting for the last results
-        self._running_rows: RunningRows | None = None  # `running` as arrays (see `_settle`)
+        self.queues = RequestQueues()
+        self.planner = PrefillPlanner(engine, self.queues, chunked_prefill_size, max_running_requests)
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._waited = 0.0  # seconds of this loop iteration spent waiting for the GPU
+        self._in_flight: LaunchedStep | None = None  # launched, not yet completed (overlap)
 
-    # -- entry point ---------------------------------------------------------------------------------
+    # -- the loop: schedule -> run -> complete -------------------------------------------------------
     def run(self, reqs: list[Req], progress: bool) -> None:
         """Runs `reqs` to completion (or error); on any exception releases everything it holds."""
-        ready = [r for r in reqs if self._admissible(r)]
-        if self.schedule_policy == "lpm":
-            manager = self.manager
-            self.pending = PrefixAwareQueue(
-                ready, manager.gpu_cached_len, lambda: manager.evicted_tokens
-            )
-        else:
-            self.pending = deque(ready)
+        ready = [r for r in reqs if screen(r, self.engine)]
+        manager = self.manager
+        queue = deque(ready) if self.schedule_policy == "fcfs" else PrefixAwareQueue(
+            ready, manager.gpu_cached_len, lambda: manager.evicted_tokens
+        )
+        self.queues.waiting = queue
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self.completer.start(ready, bar)
-        in_flight: LaunchedStep | None = None
         try:
-            while self.pending or self.prefilling or self.running or self.draining:
-                started, self._waited = time.perf_counter(), 0.0
-                items = self._schedule()
-                launched = self._launch(items) if items else None
-                launch_s = time.perf_counter() - started
-                previous, in_flight = in_flight, None
-                if previous is not None:
-                    self._complete(previous)
-                if launched is not None and self.overlap:
-                    in_flight = launched
-                elif launched is not None:
-                    self._complete(launched)
-                elif previous is None:  # nothing runs, nothing will free pages: the head cannot fit
-                    req = self.pending.popleft()
-                    self._fail(req, "the request does not fit in the KV pool next to the cached prefixes")
-                    bar.update(1)
-                if launched is not None and launched.decode:
-                    self.step_times.launch_s.append(launch_s)
-                    self.step_times.host_s.append(time.perf_counter() - started - self._waited)
+            while self.queues:
+                self._step()
         except BaseException:
-            self._settle()
-            for req in [*self.prefilling, *self.running, *self.draining]:
-                self.completer.release(req, "abort", None)
-            self.pending.clear()
-            self.prefilling.clear()
-            self.running.clear()
-            self.draining.clear()
+            self._in_flight = None
+            for req in self.queues.clear():
+                self.completer.release(req, "abort")
             raise
         finally:
             bar.close()
             self._collect_gpu_times()
             self.completer.end()
-        failed = [r for r in reqs if r.finish_reason == "error"]
+        failed = [r for r in reqs if r.status is RequestStatus.FAILED]
         if failed:
             logger.warning("%d of %d requests failed; first: %s", len(failed), len(reqs), failed[0].error)
 
-    # -- admission -----------------------------------------------------------------------------------
-    def _admissible(self, req: Req) -> bool:
-        """Rejects bad input up front, so it fails alone with a message."""
-        if req.finish_reason is not None:  # failed before (the runner could not convert its tokens)
-            return False
-        ids = req.ids
-        engine = self.engine
-        if not len(ids):
-            return self._fail(req, "empty prompt")
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= engine.vocab_size:
-            return self._fail(req, f"token ids must lie in [0, {engine.vocab_size}), got {low}..{high}")
-        if req.final_len > engine.max_context:
-            return self._fail(
-                req,
-                f"prompt ({req.prompt_len}) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
-                f"model's context of {engine.max_context} tokens",
-            )
-        if self.manager.pages_for(0, req.final_len) > self.manager.num_pages:
-            return self._fail(
-                req,
-                f"prompt + max_new_tokens needs {req.final_len} tokens; the KV pool holds "
-                f"{engine.pool_tokens}",
-            )
-        if req.score_from is None and req.params.max_new_tokens == 0:
-            req.finish_reason = "length"
-            return False
-        return True
-
-    def _reserved_tokens(self, reqs: Iterable[Req]) -> int:
-        """Tokens that admitted requests may still allocate until they finish."""
-        ps = self.manager.page_size
-        return sum(self.manager.pages_for(self.manager.row_len(r.row), r.final_len) * ps for r in reqs)
+    def _step(self) -> None:
+        """One iteration: schedule and launch a step, then complete the step before it (overlap) or it."""
+        started, self._waited = time.perf_counter(), 0.0
+        items = self._schedule()
+        launched = self._launch(items) if items else None
+        launch_s = time.perf_counter() - started
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._complete(previous)
+        if launched is not None and self.overlap:
+            self._in_flight = launched
+        elif launched is not None:
+            self._complete(launched)
+        elif previous is None:  # nothing runs, nothing will free pages: the head cannot fit
+            message = "the request does not fit in the KV pool next to the cached prefixes"
+            self.completer.refuse(self.queues.waiting.popleft(), message)
+        if launched is not None and launched.decode:
+            self.step_times.launch_s.append(launch_s)
+            self.step_times.host_s.append(time.perf_counter() - started - self._waited)
 
     def _schedule(self) -> StepItems:
-        """One step: every running request's next token, then prefill chunks under the token budget
-        (which counts both), keeping room for what admitted requests will still decode."""
+        """One step: every running request's next token, then prefill chunks under the token budget."""
         items = self._running().items()
-        budget = self.chunked_prefill_size - len(items)
-        if not self.pending and not self.prefilling or budget <= 0:
-            return items
-        reserved = self._reserved_tokens([*self.running, *self.prefilling])
-        in_batch = RadixPrefixCache(page_size=1)
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            end = min(req.prompt_len, req.num_computed + budget)
-            items.prefill.append((req, req.num_computed, end))
-            budget -= end - req.num_computed
-            self._note_in_batch(in_batch, req, end)
-        deferred: list[Req] = []
-        ps = self.manager.page_size
-        while self.pending and budget > 0 and self._active() < self.max_running_requests:
-            req = self.pending[0]
-            handle = self.manager.match(req.match_ids)
-            shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
-            if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
-                deferred.append(self.pending.popleft())  # a batch-mate computes this prefix this step
-                continue
-            need = self.manager.pages_for(handle.cached_len, req.final_len) * ps
-            if need + reserved > self.manager.available_size:
-                break
-            self.manager.lock(handle)
-            if need + reserved > self.manager.available_size:  # locking made the matched prefix unevictable
-                self.manager.unlock(handle)
-                break
-            self.pending.popleft()
-            req.row = self.manager.open_row(handle)
-            req.num_computed = req.cached_tokens = handle.cached_len
-            req.host_cached_tokens = handle.restored_len
-            self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
-            end = min(req.prompt_len, req.num_computed + budget)
-            items.prefill.append((req, req.num_computed, end))
-            budget -= end - req.num_computed
-            reserved += need
-            self.prefilling.append(req)
-            self._note_in_batch(in_batch, req, end)
-        self.pending.extendleft(reversed(deferred))
+        self.planner.plan(items)
         return items
 
-    @staticmethod
-    def _note_in_batch(tree: RadixPrefixCache, req: Req, end: int) -> None:
-        start = tree.size_info.total_size
-        tree.insert_prefix(req.ids[:end], np.arange(start, start + end, dtype=np.int64))
-
-    def _active(self) -> int:
-        return len(self.running) + len(self.prefilling)
-
     def _running(self) -> RunningRows:
-        """`running` as arrays, built when the list changed."""
-        if self._running_rows is None:
-            self._running_rows = RunningRows(list(self.running))
-        return self._running_rows
-
-    def _settle(self) -> None:
-        """Writes the running requests' pending decode steps into their counters and drops the arrays;
-        called before `running` changes or a running request's counters are read."""
-        cached, self._running_rows = self._running_rows, None
-        if cached is not None:
-            cached.settle()
+        """The running requests as arrays (see `RequestQueues.running_rows`)."""
+        return self.queues.running_rows()
 
     # -- launching a step ----------------------------------------------------------------------------
     def _step_rows(self, items: StepItems, running: RunningRows) -> StepRows:
@@ -341,18 +244,16 @@ class Scheduler:
         """
         decoding = len(running.reqs)
         running.advance()
-        done: list[Req] = []
         last: list[int] = []
         if decoding and running.steps_left <= 0:  # some request launched its last token
-            self._settle()
+            self.queues.settle()
             last = [i for i, r in enumerate(running.reqs) if r.launched >= r.launch_limit]
-            done = [running.reqs[i] for i in last]
+        done = [running.reqs[i] for i in last]
         if items.prefill:
             with self.manager.lazy_free_region():
                 last += self._advance_prefill(items.prefill, decoding)
         for req in done:
-            self.running.remove(req)
-            self.draining.append(req)
+            self.queues.move(req, DRAINING)
         return last
 
     def _advance_prefill(self, prefill: list[Item], joined: int) -> list[int]:
@@ -360,22 +261,19 @@ class Scheduler:
         the positions among the step's sampled requests of those whose prefill ends with their last token."""
         last: list[int] = []
         for req, _, end in prefill:
-            req.num_computed = end
-            if not req.prefilled:
-                self.manager.cache_req(req.row, req.ids, end, finished=False)
-                continue
-            self.prefilling.remove(req)
+            req.computed_len = end
             self.manager.cache_req(req.row, req.ids, end, finished=False)
+            if req.extend_len:
+                continue
             if req.score_from is not None:  # cached now for later steps; released with its scores
-                self.draining.append(req)
+                self.queues.move(req, DRAINING)
                 continue
             req.launch_limit = min(req.params.max_new_tokens, self.engine.max_context - req.prompt_len)
             req.launched += 1
             if req.launched < req.launch_limit:
-                self._settle()
-                self.running.append(req)
+                self.queues.move(req, DECODING)
             else:
-                self.draining.append(req)
+                self.queues.move(req, DRAINING)
                 last.append(joined)
             joined += 1
         return last
@@ -392,26 +290,17 @@ class Scheduler:
         if launched.scores is not None:
             with self.manager.lazy_free_region():
                 for req in self.completer.read_scores(launched):
-                    self.draining.remove(req)
-                    self.completer.release(req, "length", None)
+                    self.queues.leave(req)
+                    self.completer.release(req, "length")
         finished = [] if launched.tokens is None else self.completer.read_tokens(launched)
         if finished:
-            self._settle()
             with self.manager.lazy_free_region():
                 for req, reason in finished:
-                    (self.running if req in self.running else self.draining).remove(req)
-                    self.completer.release(req, reason, None)
+                    self.queues.leave(req)
+                    self.completer.release(req, reason)
 
     def _collect_gpu_times(self) -> None:
         if self._timed:
             self._timed[-1][1].synchronize()
             self.step_times.gpu_s.extend(a.elapsed_time(b) / 1e3 for a, b in self._timed)
             self._timed.clear()
-
-    # -- refusing a request --------------------------------------------------------------------------
-    @staticmethod
-    def _fail(req: Req, message: str) -> bool:
-        req.finish_reason, req.error = "error", message
-        logger.debug("request %d failed: %s", req.index, message)
-        return False
-

@@ -625,3 +625,42 @@ def test_nested_radix_generate_on_the_same_model_is_refused(gen):
     _clean(model)
     _both(model, [prompt], max_new_tokens=3)
     _clean(model)
+
+
+def test_generate_rows_are_requests_through_their_statuses(monkeypatch):
+    """Each row of a call is a `Req`: PREFILLING on the first step, DECODING after it, FINISHED at the end
+    ("stop" at its first EOS, else "length"); a duplicated prompt counts as cached and keeps its tokens."""
+    from hf_radix.integrations.generate_rows import GenerateRows
+    from hf_radix.scheduling.request import RequestStatus
+
+    model = _model()
+    gen = torch.Generator().manual_seed(11)
+    shared = random_ids(gen, 9)
+    prompts = [shared, random_ids(gen, 5), shared]
+    seen: dict[str, list] = {}
+    real_open, real_cache, real_release = GenerateRows.open, GenerateRows.cache_prompts, GenerateRows.release
+
+    def opened(rows, *args):
+        real_open(rows, *args)
+        seen["opened"] = [(r.status, r.computed_len, r.extend_len) for r in rows.reqs]
+
+    def cached(rows):
+        real_cache(rows)
+        seen["decoding"] = [(r.status, r.computed_len, r.launched) for r in rows.reqs]
+
+    def released(rows, last, eos):
+        generated = real_release(rows, last, eos)
+        seen["reqs"] = rows.reqs
+        return generated
+
+    monkeypatch.setattr(GenerateRows, "open", opened)
+    monkeypatch.setattr(GenerateRows, "cache_prompts", cached)
+    monkeypatch.setattr(GenerateRows, "release", released)
+    out = _both(model, prompts, max_new_tokens=4)
+    assert seen["opened"] == [(RequestStatus.PREFILLING, 0, len(p)) for p in prompts]
+    assert seen["decoding"] == [(RequestStatus.DECODING, len(p), 1) for p in prompts]
+    for req, prompt, row in zip(seen["reqs"], prompts, out.tolist()):
+        assert req.status is RequestStatus.FINISHED and req.finish_reason == "length" and req.row is None
+        assert req.token_ids == row[len(row) - len(prompt) - 4 :]
+    assert seen["reqs"][2].cached_len == len(shared)  # computed once, by row 0
+    _clean(model)

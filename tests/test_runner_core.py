@@ -11,6 +11,7 @@ from conftest import fresh_model, hf_greedy, random_ids
 
 from hf_radix import IntegrityError, RadixBatchRunner, SamplingParams
 from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.scheduling.request import RequestStatus
 
 NEW = 7
 
@@ -33,7 +34,8 @@ def _runner(arch: str = "llama", **options) -> RadixBatchRunner:
 
 
 def _checked_every_step(runner: RadixBatchRunner, monkeypatch) -> list[int]:
-    """Runs the integrity check (tree, rows, free pages, device page table) after every completed step."""
+    """Runs the integrity check (tree, rows, free pages, device page table; every request's status and
+    lengths) after every completed step."""
     scheduler = runner.scheduler
     completed = []
     real = scheduler._complete
@@ -41,7 +43,7 @@ def _checked_every_step(runner: RadixBatchRunner, monkeypatch) -> list[int]:
     def complete(launched):
         real(launched)
         runner.check_integrity()
-        completed.append(len(scheduler.running))
+        completed.append(len(scheduler.queues.running))
 
     monkeypatch.setattr(scheduler, "_complete", complete)
     return completed
@@ -208,12 +210,12 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly(monkeypatch, caplog):
 def test_steady_decode_steps_reuse_the_running_arrays(monkeypatch):
     """While the running requests stay the same, a decode step reuses their arrays (built once) and sends
     one staged copy; the counters written back when they change cache every computed token."""
-    from hf_radix import scheduler as scheduler_module
+    from hf_radix.scheduling import request_queues as queues_module
 
     runner = _runner("llama", page_size=1, max_running_requests=4, chunked_prefill_size=256)
     scheduler, staging = runner.scheduler, runner.engine.manager.table.staging
     built: list[int] = []
-    real_rows, real_launch = scheduler_module.RunningRows, scheduler._launch
+    real_rows, real_launch = queues_module.RunningRows, scheduler._launch
 
     def running_rows(reqs):
         built.append(len(reqs))
@@ -222,13 +224,13 @@ def test_steady_decode_steps_reuse_the_running_arrays(monkeypatch):
     uploads: list[int] = []
 
     def launch(items):
-        decode, before = len(items) == len(scheduler.running), staging.uploads
+        decode, before = len(items) == len(scheduler.queues.running), staging.uploads
         launched = real_launch(items)
         if decode:
             uploads.append(staging.uploads - before)
         return launched
 
-    monkeypatch.setattr(scheduler_module, "RunningRows", running_rows)
+    monkeypatch.setattr(queues_module, "RunningRows", running_rows)
     monkeypatch.setattr(scheduler, "_launch", launch)
     gen = torch.Generator().manual_seed(5)
     prompts = [random_ids(gen, 5 + 3 * i) for i in range(4)]  # no shared prefix: admitted in one round
@@ -239,3 +241,43 @@ def test_steady_decode_steps_reuse_the_running_arrays(monkeypatch):
     runner.check_integrity()
     again = runner.run([p + o.token_ids for p, o in zip(prompts, outs)], SamplingParams(max_new_tokens=1))
     assert [o.cached_tokens for o in again] == [len(p) + NEW - 1 for p in prompts]
+
+
+def test_statuses_follow_the_lifecycle_and_a_bad_request_fails_alone(monkeypatch):
+    """WAITING -> PREFILLING -> DECODING -> DRAINING -> FINISHED (a one-token request skips DECODING); bad
+    requests are FAILED up front with their messages and the others complete with HF's tokens."""
+    runner = _runner("llama", page_size=1, max_running_requests=2, chunked_prefill_size=8)
+    scheduler = runner.scheduler
+    queues = scheduler.queues
+    steps = _checked_every_step(runner, monkeypatch)
+    moves: dict[int, list[str]] = {}
+    real_admit, real_move = queues.admit, queues.move
+
+    def admit(req, *args):
+        assert req.status is RequestStatus.WAITING
+        moves.setdefault(req.index, []).append("PREFILLING")
+        real_admit(req, *args)
+
+    def move(req, status):
+        moves.setdefault(req.index, []).append(status.name)
+        real_move(req, status)
+
+    monkeypatch.setattr(queues, "admit", admit)
+    monkeypatch.setattr(queues, "move", move)
+    good = _prompts(3, 4)
+    vocab = runner.engine.vocab_size
+    prompts = [good[0], [1, vocab + 5], good[1], [], good[2], [2.5, 3], good[3]]
+    params = [SamplingParams(max_new_tokens=NEW)] * len(prompts)
+    params[4] = SamplingParams(max_new_tokens=1)
+    outs = runner.run(prompts, params)
+    assert steps and not queues
+    bad = {1: "token ids must lie in", 3: "empty prompt", 5: "token ids must be integers"}
+    for i, out in enumerate(outs):
+        if i in bad:
+            assert out.finish_reason == "error" and out.error.startswith(bad[i]) and i not in moves
+            continue
+        assert out.finish_reason == "length" and out.error is None
+        assert out.token_ids == _reference("llama", tuple(prompts[i]))[: params[i].max_new_tokens]
+        prefill = moves[i][: moves[i].index("DECODING")] if "DECODING" in moves[i] else moves[i][:-1]
+        assert set(prefill) == {"PREFILLING"} and prefill[0] == "PREFILLING"
+        assert moves[i][len(prefill):] == (["DRAINING"] if i == 4 else ["DECODING", "DRAINING"])

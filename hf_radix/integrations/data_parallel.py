@@ -28,7 +28,8 @@ from transformers.utils import logging
 from ..engine import get_engine
 from ..errors import RequestError, check_error_mode, raise_or_return
 from ..runner import RadixBatchRunner
-from ..scheduling.request import RequestOutput, pair_items
+from ..scheduling.inputs import pair_items, params_per_prompt, tokenize
+from ..scheduling.request import RequestOutput
 from ..scheduling.sampling import SamplingParams
 from ..stats import RadixStats
 from .distributed import all_gather_json
@@ -114,10 +115,10 @@ class DataParallelRunner:
         `errors="raise"` raises a `RequestError` carrying every output (on every rank).
         """
         check_error_mode(errors)
-        token_lists = self.local._tokenize(prompts)
+        token_lists = tokenize(self.local.tokenizer, prompts)
         no_room: dict[int, str] = {}
-        params = self.local._params_per_prompt(
-            sampling_params, len(token_lists), [len(t) for t in token_lists], failures=no_room
+        params = params_per_prompt(
+            self.local.model, sampling_params, [len(t) for t in token_lists], no_room
         )
         if no_room:  # every rank decides the same: the call is refused as a whole
             raise ValueError(f"DataParallelRunner: {len(no_room)} prompts leave no room to generate; first: "
@@ -147,8 +148,8 @@ class DataParallelRunner:
         """
         check_error_mode(errors)
         pairs = pair_items(pairs)
-        contexts = self.local._tokenize([c for c, _ in pairs], "contexts")
-        continuations = self.local._tokenize_continuations(pairs)
+        contexts = tokenize(self.local.tokenizer, [c for c, _ in pairs], "contexts")
+        continuations = tokenize(self.local.tokenizer, [x for _, x in pairs], "continuations")
         if not pairs:
             return []
         mine = self._route([c + x for c, x in zip(contexts, continuations)], [0] * len(pairs))

@@ -25,7 +25,7 @@ from ..cache_utils import CACHE_IMPLEMENTATION
 from ..capability import check_inputs
 from ..engine import _ENGINE_ATTR, get_engine
 from ..errors import OWN_CACHE_MESSAGE
-from ..scheduling.request import token_id_list
+from ..scheduling.inputs import token_id_list
 from .generate_session import RadixGenerateCache
 
 logger = logging.get_logger(__name__)

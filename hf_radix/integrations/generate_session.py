@@ -1,7 +1,8 @@
 """The per-call side of `generate(..., cache_implementation="radix")`: the Cache one call runs with.
 
-`RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`) that also keeps
-the call's rows: it turns each padded step of generate into the rows of a step for the model-runner core.
+`RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`): it reads each
+padded step of generate and turns it into the rows of a step for the model-runner core. The call's rows
+are requests (`GenerateRows`); rows with a duplicated prompt are computed once (`DuplicatePrompts`).
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ from ..errors import OWN_CACHE_MESSAGE
 from ..forward.forward_context import current_forward, model_attention, radix_forward
 from ..forward.model_runner import ModelRunner
 from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
-from ..scheduling.row_tokens import RowTokens, host_inputs
+from ..scheduling.row_tokens import host_inputs
+from .generate_rows import GenerateRows
 
 if TYPE_CHECKING:
     from ..engine import RadixEngine
 
-
-OPAQUE_TOKEN = -1  # placeholder id of a prompt position given as `inputs_embeds`: never matched, never cached
-ALLOCATE_AHEAD = 16  # tokens of room a row gets past what a step needs: one page-table write per 16 steps
 
 
 class RadixGenerateCache(RadixCache):
@@ -59,18 +58,12 @@ class RadixGenerateCache(RadixCache):
         self.prefill_chunk_size = prefill_chunk_size
         self.num_return_sequences = num_return_sequences
         self.supports_logits_to_keep = logits_to_keep
-        self.rows: list[int | None] = []  # page-table row of each batch row; None once released
-        self.tokens = RowTokens([])  # real (unpadded) tokens of each batch row
-        self.computed: list[int] = []  # tokens of each row with K/V in the pool
-        self.prompt_lens: list[int] = []
-        self.opaque: list[bool] = []  # prompt given as inputs_embeds: nothing of the row is matched or cached
+        self.rows = GenerateRows(engine)
         self.seen = 0  # padded length generate has handed us so far
         self.steps = 0  # generate's forwards done (each is followed by one sampled token per row)
         self.finished = False
-        self._followers: dict[int, int] = {}  # batch row -> earlier row with the same prompt (first step)
         self._embeds: list[torch.Tensor] | None = None  # unpadded prompt embeddings per row (first step only)
         self._logits_rows: torch.Tensor | None = None  # packed logits row of each batch row; None: identity
-        self._max_new = 0  # tokens the call may still add to each row after its prompt (set by _open_rows)
         self.model_runner: ModelRunner | None = engine.model_runner  # graph or eager per step; None: finished
         # the step run ahead: (prompt ids, its logits or None, the stream computing them)
         self._ahead: tuple[torch.Tensor, torch.Tensor | None, torch.cuda.Stream | None] | None = None
@@ -104,8 +97,8 @@ class RadixGenerateCache(RadixCache):
         elif self._embeds is not None:
             logits = self._eager(*self._make_batch(None, logits=True), inner, kwargs)
         else:
-            step = self._step()
-            self._allocate(step)
+            step = self.rows.step()
+            self.rows.allocate(step, self.steps)
             eager = functools.partial(self._eager, embeds=None, inner=inner, kwargs=kwargs)
             # A graph's output buffer is returned as is: generate copies the logits it reads before the
             # next forward (`outputs.logits[:, -1].to(copy=True, ...)`), so no replay can overwrite them.
@@ -114,12 +107,11 @@ class RadixGenerateCache(RadixCache):
         if self._logits_rows is not None:
             logits = logits[self._logits_rows]
         output.logits = logits[:, None, :]
-        for b in range(len(self.rows)):
-            if b not in self._followers:
-                self.computed[b] = self.tokens.length(b)
+        self.rows.computed()
         if self.steps == 0:
             self._embeds = None
-            self._cache_prompts()
+            self.rows.cache_prompts()
+            self._logits_rows = None
         self.steps += 1
         self._prepare_next()
         return output
@@ -146,12 +138,12 @@ class RadixGenerateCache(RadixCache):
             raise RuntimeError(f"generate passed {width} positions for {fresh} new ones; radix cannot follow")
         if self._ahead is not None:
             self._check_same_prompt(input_ids)
-        elif not self.rows:
+        elif not len(self.rows):
             self._open_rows(input_ids, embeds, mask, fresh)
         elif embeds is not None:
             raise ValueError("cache_implementation='radix' takes inputs_embeds for the prompt only")
         else:
-            self.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
+            self.rows.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
         self.seen = total
         if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(model)
@@ -181,14 +173,14 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
-        step = self._step()
+        step = self.rows.step()
         logits = None
         stream = _ahead_stream(self.engine)
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         if self.model_runner.graph_fits(step):
             with torch.cuda.stream(stream):
-                self._allocate(step)
+                self.rows.allocate(step, self.steps)
                 logits = self.model_runner.forward(step)  # the graph's output buffer, read after `stream`
         self._ahead = (ids, logits, stream)
 
@@ -200,43 +192,13 @@ class RadixGenerateCache(RadixCache):
         ):
             raise RuntimeError("generate's first step is not the prompt it was given; radix cannot follow")
 
-    def _step(self) -> StepRows:
-        """This step in page-table terms: every computing row from what is in the pool to its end."""
-        rows = self._compute_rows()
-        return StepRows.of(
-            [self.rows[b] for b in rows],
-            [self.computed[b] for b in rows],
-            [self.tokens.row(b)[self.computed[b] :] for b in rows],
-        )
-
-    def _allocate(self, step: StepRows) -> None:
-        """Slots for every position `step` computes; a row that needs more gets room for up to
-        `ALLOCATE_AHEAD` more tokens (never past what the call can still add), so that most decode steps
-        write nothing to the page table. `finish` frees what no token used."""
-        if self._allocated(step):
-            return
-        ahead = min(ALLOCATE_AHEAD, max(self._max_new - 1 - self.steps, 0))  # the last token: no forward
-        ends = step.prefix_lens + step.new_lens
-        self.engine.manager.allocate(step.rows.tolist(), [end + ahead for end in ends.tolist()])
-
-    def _allocated(self, step: StepRows) -> bool:
-        """Whether every row of `step` has slots for all the positions it computes."""
-        manager = self.engine.manager
-        ends = (step.prefix_lens + step.new_lens).tolist()
-        return all(manager.row_len(row) >= end for row, end in zip(step.rows.tolist(), ends))
-
     def _prepare_next(self) -> None:
         """Loads the next decode step's inputs while the GPU computes this one (see `ModelRunner.prepare`),
         where it may come (the call can still add a token) and its slots are allocated already."""
-        if self.model_runner is None or not self.model_runner.has_graphs or self.steps >= self._max_new:
+        if self.model_runner is None or not self.model_runner.has_graphs or self.steps >= self.rows.max_new:
             return
-        rows = self._compute_rows()
-        step = StepRows(
-            rows=np.asarray([self.rows[b] for b in rows], dtype=np.int64),
-            prefix_lens=np.asarray([self.computed[b] for b in rows], dtype=np.int64),
-            new_lens=np.ones(len(rows), dtype=np.int64), input_ids=np.zeros(len(rows), dtype=np.int64),
-        )
-        if self._allocated(step):
+        step = self.rows.decode_step()
+        if self.rows.allocated(step):
             self.model_runner.prepare(step)
 
     def _eager(
@@ -282,79 +244,36 @@ class RadixGenerateCache(RadixCache):
             lens = counts.tolist()
         if min(lens) == 0:
             raise ValueError(f"row {lens.index(0)} of the batch is empty (all padding)")
-        manager = self.engine.manager
-        first_row_of: dict[bytes, int] = {}
-        prompts = []
-        for b, n in enumerate(lens):
-            tokens = np.full(n, OPAQUE_TOKEN, dtype=np.int64) if ids is None else ids[b, fresh - n:]
-            handle = manager.match(tokens[:0] if ids is None else tokens)
-            manager.lock(handle)
-            self.rows.append(manager.open_row(handle))
-            prompts.append(tokens)
-            self.computed.append(handle.cached_len)
-            self.prompt_lens.append(n)
-            self.opaque.append(ids is None)
-            leader = b if ids is None else first_row_of.setdefault(tokens.tobytes(), b)
-            if leader != b:
-                self._followers[b] = leader
-            self.engine.record_prompt(
-                n, n if leader != b else handle.cached_len, 0 if leader != b else handle.restored_len
-            )
-        self.tokens = RowTokens(prompts)
-        if embeds is not None:
-            self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
-        if self._followers:
-            leaders = [b for b in range(size) if b not in self._followers]
-            position = {b: i for i, b in enumerate(leaders)}
-            gather = [position[self._followers.get(b, b)] for b in range(size)]
-            self._logits_rows = torch.tensor(gather, device=self.engine.device)
-        self._check_capacity(width)
-
-    def _check_capacity(self, padded_len: int) -> None:
-        """Fails early, with advice, when the call's worst case cannot fit in the pool."""
-        manager = self.engine.manager
-        ps = manager.page_size
         if self.max_new_tokens is not None:
             max_new = self.max_new_tokens
         else:
-            max_new = (self.max_length or padded_len) - padded_len
-        self._max_new = max(max_new, 0)
-        need = 0
-        for b, row in enumerate(self.rows):
-            n = self.prompt_lens[b]
-            start = n - n % ps if b in self._followers else manager.row_cached_len(row)
-            need += manager.pages_for(start, n + max(max_new, 0)) * ps
-        available = manager.available_size
-        if need > available:
-            raise ValueError(
-                f"this generate call may need {need} KV-cache slots (each row's prompt + max_new_tokens), "
-                f"but only {available} of the pool's {self.engine.pool_tokens} are free or evictable; "
-                "call hf_radix.configure(model, max_total_tokens=... or mem_fraction=...) before first use, "
-                "or lower max_new_tokens or the batch size"
-            )
-
-    def _compute_rows(self) -> list[int]:
-        return [b for b in range(len(self.rows)) if b not in self._followers]
+            max_new = (self.max_length or width) - width
+        self.rows.open(ids, lens, max_new)
+        if embeds is not None:
+            self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
+        self._logits_rows = self.rows.logits_rows()
+        self.rows.check_capacity()
 
     def _make_batch(
         self, ends: dict[int, int] | None, logits: bool
     ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """Packs rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end)."""
+        """Packs rows `b` from their computed length to `ends[b]` (default: each computing row to its end)."""
+        tokens = self.rows.tokens
         if ends is None:
-            ends = {b: self.tokens.length(b) for b in self._compute_rows()}
-        rows = list(ends)
+            ends = {b: tokens.length(b) for b in self.rows.compute_rows()}
+        reqs = [self.rows.reqs[b] for b in ends]
         manager = self.engine.manager
-        manager.allocate([self.rows[b] for b in rows], [ends[b] for b in rows])
+        manager.allocate([r.row for r in reqs], [ends[r.index] for r in reqs])
         step = StepRows.of(
-            [self.rows[b] for b in rows],
-            [self.computed[b] for b in rows],
-            [self.tokens.row(b)[self.computed[b]:ends[b]] for b in rows],
-            None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
+            [r.row for r in reqs],
+            [r.computed_len for r in reqs],
+            [tokens.row(r.index)[r.computed_len:ends[r.index]] for r in reqs],
+            None if logits else [np.zeros(0, dtype=np.int64)] * len(reqs),
         )
         batch = build_forward_batch(manager.table, step)
         packed = None
         if self._embeds is not None:
-            packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
+            packed = torch.cat([self._embeds[r.index][r.computed_len:ends[r.index]] for r in reqs])[None]
         return batch, packed
 
     def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
@@ -371,13 +290,14 @@ class RadixGenerateCache(RadixCache):
     def _prefill_in_chunks(self, module: torch.nn.Module) -> None:
         """Computes the prompts in forwards of <= `prefill_chunk_size` tokens; generate's own is the last."""
         budget = self.prefill_chunk_size
-        rows = self._compute_rows()
-        while sum(self.tokens.length(b) - self.computed[b] for b in rows) > budget:
+        reqs = [self.rows.reqs[b] for b in self.rows.compute_rows()]
+        tokens = self.rows.tokens
+        while sum(tokens.length(r.index) - r.computed_len for r in reqs) > budget:
             ends, left = {}, budget
-            for b in rows:
-                take = min(self.tokens.length(b) - self.computed[b] - 1, left)  # each row's last token stays
+            for r in reqs:
+                take = min(tokens.length(r.index) - r.computed_len - 1, left)  # each row's last token stays
                 if take > 0:
-                    ends[b] = self.computed[b] + take
+                    ends[r.index] = r.computed_len + take
                     left -= take
                 if left == 0:
                     break
@@ -392,36 +312,7 @@ class RadixGenerateCache(RadixCache):
                 self.batch = None
             self.engine.record_forward(batch.num_tokens)
             for b, end in ends.items():
-                self.computed[b] = end
-
-    def _cache_prompts(self) -> None:
-        """After the first step: each row's prompt goes into the tree and the row's lock moves there.
-
-        Rows whose prompts share a prefix then read the tree's one copy of it (pages the prefill computed
-        twice are freed; decode reads a shared prefix once per group, as for prefixes cached before the
-        call), and rows with a duplicated prompt reuse the K/V their first copy computed.
-        """
-        manager = self.engine.manager
-        for b, row in enumerate(self.rows):
-            if row is not None and not self.opaque[b] and b not in self._followers:
-                manager.cache_req(row, self.tokens.row(b), self.computed[b], finished=False)
-        for b, leader in self._followers.items():
-            # Re-open the row on the prefix its leader just cached, then copy the unaligned tail.
-            tokens, row = self.tokens.row(b), self.rows[b]
-            self.rows[b] = None
-            manager.cache_req(row, tokens, self.computed[b], finished=True)
-            handle = manager.match(np.append(tokens, 0))
-            manager.lock(handle)
-            self.rows[b] = manager.open_row(handle)
-            self.computed[b] = handle.cached_len
-            manager.allocate([self.rows[b]], [len(tokens)])
-            src = manager.row_slots(self.rows[leader])[handle.cached_len:len(tokens)].astype(np.int64)
-            dst = manager.row_slots(self.rows[b])[handle.cached_len:len(tokens)].astype(np.int64)
-            self.engine.pool.copy_slots(src, dst)
-            self.computed[b] = len(tokens)
-            manager.cache_req(self.rows[b], tokens, len(tokens), finished=False)
-        self._followers.clear()
-        self._logits_rows = None
+                self.rows.reqs[b].computed_len = end
 
     def finish(self, sequences: torch.Tensor | None = None) -> None:
         """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
@@ -438,21 +329,7 @@ class RadixGenerateCache(RadixCache):
         size = len(self.rows)
         if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
             last = sequences[:, -1].tolist()
-        manager = self.engine.manager
-        generated = 0
-        with manager.lazy_free_region():
-            for b, row in enumerate(self.rows):
-                tokens = self.tokens.row(b) if last is None else np.append(self.tokens.row(b), last[b])
-                keep = len(tokens)
-                if len(self.eos_token_ids):
-                    ends = np.flatnonzero(np.isin(tokens[self.prompt_lens[b]:], self.eos_token_ids))
-                    keep = self.prompt_lens[b] + int(ends[0]) + 1 if len(ends) else keep
-                generated += keep - self.prompt_lens[b]
-                if row is not None:
-                    self.rows[b] = None
-                    computed = 0 if self.opaque[b] else min(self.computed[b], keep)
-                    manager.cache_req(row, tokens, computed, finished=True)
-        self.engine.stats.generated_tokens += generated
+        self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids)
         if self._started is not None:
             self.engine.stats.wall_time += time.perf_counter() - self._started
 

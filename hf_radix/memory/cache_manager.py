@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -15,8 +15,17 @@ from .radix_snapshots import SnapshotRadixCache, StateSlots
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
 from .state_pool import StatePool
 
-if TYPE_CHECKING:
-    from .host_tier import HostTier
+
+class PrefixTier(Protocol):
+    """A second cache tier behind the manager (`HostTier`): what the manager calls on it."""
+
+    tree: RadixPrefixCache
+
+    def extend_match(self, ids: np.ndarray, handle: MatchHandle) -> MatchHandle: ...
+
+    def reset(self) -> None: ...
+
+    def check_integrity(self) -> None: ...
 
 
 class OutOfPagesError(RuntimeError):
@@ -81,7 +90,7 @@ class CacheManager:
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
         self.lock_version = 0  # bumped whenever a row's lock changes (opened, moved, closed)
-        self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
+        self.host_tier: PrefixTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property

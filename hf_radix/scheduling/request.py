@@ -1,13 +1,14 @@
-"""A request's state inside the scheduler, and what the runner returns for it."""
+"""The request model: a request's status and lengths (runner and generate alike), and the runner's result."""
 
 from __future__ import annotations
 
-import numbers
-import operator
+import enum
+from collections.abc import Sequence
 from dataclasses import InitVar, dataclass, field
 
 import numpy as np
 
+from ..memory.radix_tree import IntegrityError
 from .sampling import SamplingParams
 
 
@@ -24,76 +25,98 @@ class RequestOutput:
     error: str | None = None
 
 
+class RequestStatus(enum.Enum):
+    """Where a request is in its life; the scheduler keeps one collection per live status."""
+
+    WAITING = "waiting"  # queued: no row, nothing computed
+    PREFILLING = "prefilling"  # holds a row; prompt chunks still to compute (`extend_len > 0`)
+    DECODING = "decoding"  # prompt computed; one token launched a step
+    DRAINING = "draining"  # every token (a scoring request: its last chunk) launched; results on the way
+    FINISHED = "finished"  # released; `finish_reason` is "stop", "length" or "abort"
+    FAILED = "failed"  # refused alone with a message (`finish_reason` "error"); never held a row
+
+
+HOLDS_ROW = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING, RequestStatus.DRAINING})
+
+
 @dataclass(eq=False)  # compared by identity: the scheduler's list operations stay O(1) per element
 class Req:
-    """One prompt moving through match → lock → allocate → prefill (chunks) → decode → release.
+    """One prompt moving through WAITING -> PREFILLING (chunks) -> DECODING -> DRAINING -> FINISHED.
 
-    `num_computed` tokens have K/V in the pool; `token_ids[num_computed:]` are still to be computed.
-    A scoring request (`score_from` set) wants the logits of positions `score_from .. len(token_ids) - 2`
+    Its lengths: `cached_len` prompt tokens had K/V in the pool when it was admitted (the prefix cache;
+    `host_cached_len` of them copied back from the host tier), `computed_len` positions have K/V in the
+    pool or computed by a launched step, and `extend_len` prompt tokens are still to compute; `check`
+    holds them to `host_cached_len <= cached_len <= computed_len` and to the status.
+    A scoring request (`score_from` set) wants the logits of positions `score_from .. num_tokens - 2`
     and generates nothing; its last token is never computed (`prompt_len` excludes it).
-    `ids` holds the same tokens as an int64 array (what the tree, the page table and the metadata read);
-    generated tokens go through `append` so both stay equal. `ids_array`, when given, is that array already
-    (the same tokens as `token_ids`): the request copies from it, or keeps it when it has no room to grow.
+    The tokens are one int64 array (`ids`, what the tree, the page table and the metadata read), which
+    `append` / `extend` grow; an int64 array given as `tokens` is kept as is when nothing will be appended.
     """
 
     index: int
-    token_ids: list[int]
+    tokens: InitVar[np.ndarray | Sequence[int]]
     params: SamplingParams
     score_from: int | None = None
-    prompt_len: int = 0
+    status: RequestStatus = RequestStatus.WAITING
     row: int | None = None
-    num_computed: int = 0  # positions whose K/V a launched step computes
+    cached_len: int = 0
+    host_cached_len: int = 0
+    computed_len: int = 0
     launched: int = 0  # generated tokens whose sampling has been launched (known or still on the device)
-    cached_tokens: int = 0
-    host_cached_tokens: int = 0
+    launch_limit: int = 0  # generated tokens to launch at most (set when the request starts decoding)
     logprob: float = 0.0
     greedy_match: bool = True
     finish_reason: str | None = None
     error: str | None = None
-    launch_limit: int = 0  # generated tokens to launch at most (set when the request starts decoding)
-    ids_array: InitVar[np.ndarray | None] = None
 
-    def __post_init__(self, ids_array: np.ndarray | None):
-        n = len(self.token_ids)
+    def __post_init__(self, tokens: np.ndarray | Sequence[int]):
+        n = len(tokens)
+        self.num_tokens = n
         self.prompt_len = n - (self.score_from is not None)
         size = max(n, self.final_len)
-        if ids_array is not None and len(ids_array) != n:
-            raise ValueError(f"ids_array holds {len(ids_array)} tokens, token_ids {n}")
-        keep = ids_array is not None and ids_array.dtype == np.int64 and ids_array.flags.c_contiguous
+        keep = isinstance(tokens, np.ndarray) and tokens.dtype == np.int64 and tokens.flags.c_contiguous
         if keep and size == n:
-            self._ids = ids_array  # nothing will be appended (scoring): no copy
+            self._ids = tokens  # nothing will be appended (scoring): no copy
         else:
             self._ids = np.empty(size, dtype=np.int64)
-            self._ids[:n] = self.token_ids if ids_array is None else ids_array
+            self._ids[:n] = tokens
         self._match_ids: np.ndarray | None = None
 
     @property
     def ids(self) -> np.ndarray:
         """The tokens so far as an int64 array (a view; do not modify)."""
-        return self._ids[: len(self.token_ids)]
+        return self._ids[: self.num_tokens]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.ids.tolist()
 
     def append(self, token: int) -> None:
         """Adds a generated token."""
-        self._ids[len(self.token_ids)] = token
-        self.token_ids.append(token)
+        self.extend(np.array([token], dtype=np.int64))
 
     def extend(self, tokens: np.ndarray) -> None:
         """Adds generated tokens (int64), oldest first."""
-        n = len(self.token_ids)
-        self._ids[n : n + len(tokens)] = tokens
-        self.token_ids.extend(tokens.tolist())
+        n, end = self.num_tokens, self.num_tokens + len(tokens)
+        if end > len(self._ids):
+            grown = np.empty(max(end, 2 * len(self._ids)), dtype=np.int64)
+            grown[:n] = self._ids[:n]
+            self._ids = grown
+        self._ids[n:end] = tokens
+        self.num_tokens = end
 
     @property
     def num_generated(self) -> int:
-        return len(self.token_ids) - self.prompt_len
+        return self.num_tokens - self.prompt_len
 
     @property
     def generated(self) -> list[int]:
-        return self.token_ids[self.prompt_len :]
+        return self._ids[self.prompt_len : self.num_tokens].tolist()
 
     @property
-    def prefilled(self) -> bool:
-        return self.num_computed >= self.prompt_len
+    def extend_len(self) -> int:
+        """Prompt tokens still to compute."""
+        return max(self.prompt_len - self.computed_len, 0)
 
     @property
     def match_ids(self) -> np.ndarray:
@@ -113,107 +136,39 @@ class Req:
         if self.score_from is None:
             wanted = [end - start - 1] if end >= self.prompt_len else []
             return np.array(wanted, dtype=np.int64)
-        first, last = max(start, self.score_from), min(end, len(self.token_ids) - 1)
+        first, last = max(start, self.score_from), min(end, self.num_tokens - 1)
         return np.arange(first - start, last - start, dtype=np.int64)
 
+    def admit(self, row: int, cached_len: int, host_cached_len: int) -> None:
+        """WAITING -> PREFILLING on `row`, whose first `cached_len` positions the prefix cache holds."""
+        self.row, self.status = row, RequestStatus.PREFILLING
+        self.computed_len = self.cached_len = cached_len
+        self.host_cached_len = host_cached_len
 
-def prompt_items(prompts, call: str, noun: str = "prompts") -> list:
-    """`prompts` as a list, refusing what reads as one prompt rather than a batch of them (TypeError): a
-    string (it would run one prompt per character) or a flat sequence of numbers (one token-id prompt)."""
-    if isinstance(prompts, (str, bytes)):
-        raise TypeError(
-            f"{call}() takes a list of {noun}, got a single string (read as one {noun[:-1]} per "
-            f"character); wrap it in a list: {call}([{noun[:-1]}])"
-        )
-    items = list(prompts)
-    if items and all(_is_scalar(p) for p in items):
-        raise TypeError(
-            f"{call}() takes a list of {noun}, got a flat sequence of numbers (one {noun[:-1]} of token "
-            f"ids?); wrap it in a list: {call}([token_ids])"
-        )
-    return items
+    def fail(self, message: str) -> None:
+        """Refuses the request alone (it holds no row): FAILED, with `message`."""
+        self.status, self.finish_reason, self.error = RequestStatus.FAILED, "error", message
 
-
-def pair_items(pairs, call: str = "loglikelihood") -> list:
-    """`pairs` as a list of (context, continuation) pairs, refusing (TypeError) one pair not wrapped in a
-    list: a pair of strings, or a pair of token-id lists (which would unpack into pairs of numbers)."""
-    one_pair = f"to score one pair, wrap it in a list: {call}([(context, continuation)])"
-    if isinstance(pairs, (str, bytes)):
-        raise TypeError(f"{call}() takes a list of (context, continuation) pairs, got a string; {one_pair}")
-    items = list(pairs)
-    for i, pair in enumerate(items):
-        sized = hasattr(pair, "__len__") and not isinstance(pair, (str, bytes)) and not _is_scalar(pair)
-        if not sized or len(pair) != 2:
-            raise TypeError(
-                f"{call}() takes a list of (context, continuation) pairs; item {i} is {_describe(pair)}, "
-                f"not a pair; {one_pair}"
+    def check(self) -> None:
+        """Raises IntegrityError unless the lengths agree with each other and with the status (the
+        scheduler checks at each status change; a running request's counters must be settled)."""
+        status = self.status
+        ok = 0 <= self.host_cached_len <= self.cached_len <= self.computed_len <= self.final_len
+        if status is RequestStatus.WAITING:
+            ok &= self.row is None and self.computed_len == 0 and self.finish_reason is None
+        elif status in HOLDS_ROW:
+            ok &= self.row is not None and self.finish_reason is None
+        else:
+            ok &= self.row is None and (self.finish_reason == "error") == (status is RequestStatus.FAILED)
+        if status is RequestStatus.PREFILLING:
+            ok &= self.extend_len > 0 and self.launched == 0
+        elif status is RequestStatus.DECODING or status is RequestStatus.DRAINING and self.score_from is None:
+            ok &= self.computed_len == self.prompt_len + self.launched - 1  # the last token: no K/V yet
+            limit = self.launch_limit - (status is RequestStatus.DECODING)  # DECODING: more to launch
+            ok &= self.launched <= limit
+        if not ok:
+            raise IntegrityError(
+                f"request {self.index} is {status.name} with row={self.row} cached_len={self.cached_len} "
+                f"host_cached_len={self.host_cached_len} computed_len={self.computed_len} "
+                f"prompt_len={self.prompt_len} launched={self.launched}/{self.launch_limit}"
             )
-    if items and all(_is_scalar(c) and _is_scalar(x) for c, x in items):
-        raise TypeError(
-            f"{call}() takes a list of (context, continuation) pairs, got pairs of numbers (one pair of "
-            f"token-id lists?); {one_pair}"
-        )
-    return items
-
-
-def _is_scalar(value) -> bool:
-    return isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
-
-
-def token_id_array(tokens) -> np.ndarray:
-    """One prompt's token ids (a list, an array or a tensor of integers) as a 1-D int64 array.
-
-    Python ints and numpy / torch integer values are token ids; anything else raises a TypeError naming
-    the first offender and its position: floats (even 5.0), bools, strings, nested sequences, a scalar or
-    a 2-D array in place of the sequence. (A list mixing bools into ints converts as 0 / 1: telling them
-    apart would cost a pass over every element.) The vocabulary range is the scheduler's check.
-    """
-    if isinstance(tokens, (str, bytes)) or getattr(tokens, "ndim", 1) == 0 or not hasattr(tokens, "__iter__"):
-        raise TypeError(f"token ids must form a sequence of integers, got {_describe(tokens)}")
-    if getattr(tokens, "ndim", 1) != 1:
-        raise TypeError(f"token ids must form a 1-D sequence, got shape {tuple(tokens.shape)}")
-    values = tokens.tolist() if hasattr(tokens, "tolist") and not isinstance(tokens, np.ndarray) else tokens
-    try:
-        array = np.asarray(values)
-    except (ValueError, TypeError):  # ragged or otherwise not an array of numbers
-        array = None
-    if array is not None and array.ndim == 1:
-        if array.dtype.kind in "iu" and array.dtype != np.uint64:
-            return array.astype(np.int64, copy=False)
-        if not array.size:
-            return np.empty(0, dtype=np.int64)
-    if isinstance(values, np.ndarray):
-        values = values.tolist()  # Python scalars in the messages
-    ids = np.empty(len(values), dtype=np.int64)
-    for i, t in enumerate(values):
-        value = None if isinstance(t, (bool, np.bool_)) else _index(t)
-        if value is None:
-            raise TypeError(f"token ids must be integers, got {_describe(t)} at position {i}")
-        if not -(1 << 63) <= value < 1 << 63:
-            raise ValueError(f"token ids must lie in the vocabulary, got {value} at position {i}")
-        ids[i] = value
-    return ids
-
-
-def _index(value) -> int | None:
-    """`value` as an int when it is an integer (Python, numpy, a one-element integer tensor), else None."""
-    if getattr(value, "dtype", None) is not None and "bool" in str(value.dtype):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
-
-
-def _describe(value) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def token_id_list(value) -> list[int]:
-    """An EOS-style setting (None, an id, a list or a tensor of ids) as a list of ids."""
-    if value is None:
-        return []
-    if hasattr(value, "reshape"):
-        return [int(t) for t in value.reshape(-1).tolist()]
-    return [int(value)] if isinstance(value, int) else [int(t) for t in value]

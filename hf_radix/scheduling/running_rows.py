@@ -2,7 +2,7 @@
 
 While the list of running requests (in order) is unchanged, each step reuses the same rows, parameters
 and device copy of the rows, and only moves every position by one. The requests' own counters
-(`num_computed`, `launched`) lag `pending` steps behind until `settle` writes them back: the scheduler
+(`computed_len`, `launched`) lag `pending` steps behind until `settle` writes them back: the scheduler
 settles before the list changes or a request leaves it, then builds new arrays for the new list.
 """
 
@@ -28,7 +28,7 @@ class RunningRows:
         self.reqs = reqs  # never modified: a changed list gets new arrays
         self.rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
         self.rows.setflags(write=False)  # the same rows every step (`SharedPrefixDecode.share` relies on it)
-        self.starts = np.fromiter((r.num_computed for r in reqs), dtype=np.int64, count=n)
+        self.starts = np.fromiter((r.computed_len for r in reqs), dtype=np.int64, count=n)
         self.params: list[SamplingParams] = [r.params for r in reqs]
         self.uids = tuple(r.index for r in reqs)
         self.steps_left = min((r.launch_limit - r.launched for r in reqs), default=0)  # to a last token
@@ -58,7 +58,7 @@ class RunningRows:
         """Writes the pending steps into the requests' counters."""
         if self.pending:
             for req in self.reqs:
-                req.num_computed += self.pending
+                req.computed_len += self.pending
                 req.launched += self.pending
             self.pending = 0
 

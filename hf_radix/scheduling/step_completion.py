@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..memory.cache_manager import CacheManager
-from .request import Req
+from .request import Req, RequestStatus
 from .sampling import Sampler
 from .stop_strings import StopStringDetector
 
@@ -151,23 +151,28 @@ class StepCompleter:
         detector = self.stop_strings
         if params.stop and detector is not None and detector.found(req.index, req.generated, params.stop):
             return "stop"
-        if req.num_generated >= params.max_new_tokens or len(req.token_ids) >= self.max_context:
+        if req.num_generated >= params.max_new_tokens or req.num_tokens >= self.max_context:
             return "length"
         return None
 
-    def release(self, req: Req, reason: str, error: str | None) -> None:
-        """The single exit of an admitted request: cache what is reusable, free the rest, unlock.
+    def refuse(self, req: Req, message: str) -> None:
+        """Fails a waiting request alone (it holds no row) and counts it as done."""
+        req.fail(message)
+        self._bar.update(1)
+
+    def release(self, req: Req, reason: str) -> None:
+        """The single exit of an admitted request: cache what is reusable, free the rest, unlock; FINISHED.
 
         A generated request's last token has no K/V of its own (or only from a step past its end).
         """
         if self._unread:
             self.flush()
         if req.row is not None:
-            known = len(req.token_ids) - (1 if req.num_generated else 0)
-            self.manager.cache_req(req.row, req.ids, min(req.num_computed, known), finished=True)
+            known = req.num_tokens - (1 if req.num_generated else 0)
+            self.manager.cache_req(req.row, req.ids, min(req.computed_len, known), finished=True)
             req.row = None
         self.sampler.drop(req.index)
         if self.stop_strings is not None:
             self.stop_strings.drop(req.index)
-        req.finish_reason, req.error = reason, error
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self._bar.update(1)
