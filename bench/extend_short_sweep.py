@@ -63,14 +63,10 @@ def main() -> None:
     out = torch.empty_like(s["q"])
 
     def call(cfgs=None, **kw):
-        triton_extend._EXTEND_CFG_OVERRIDE = cfgs
-        try:
-            return triton_extend.extend_attention(
-                s["q"], s["k_new"], s["v_new"], s["k_cache"], s["v_cache"], s["qo_indptr"], s["prefix_lens"],
-                s["prefix_kv_indices"], s["prefix_kv_indptr"], s["q"].shape[-1] ** -0.5, max_new_len=64,
-                max_prefix_len=args.prefix_bound, out=out, **kw)
-        finally:
-            triton_extend._EXTEND_CFG_OVERRIDE = None
+        return triton_extend.extend_attention(
+            s["q"], s["k_new"], s["v_new"], s["k_cache"], s["v_cache"], s["qo_indptr"], s["prefix_lens"],
+            s["prefix_kv_indices"], s["prefix_kv_indptr"], s["q"].shape[-1] ** -0.5, max_new_len=64,
+            max_prefix_len=args.prefix_bound, out=out, configs=cfgs, **kw)
 
     reference = call().clone()
     rows = [{"variant": "default", "us": graph_us(call), "rel_err": 0.0}]

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging
@@ -12,36 +10,12 @@ from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
 from .errors import UnsupportedModelError
 from .forward.forward_context import ATTENTION_NAME, current_forward
 from .memory.placement import layer_device
-from .paged_attention.forward_batch import ForwardBatch
+from .paged_attention.backend import AttentionBackend
 from .paged_attention.latent import expanded_attention_inputs
 
 logger = logging.get_logger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-class AttentionBackend(Protocol):
-    """Computes attention for a packed batch whose K/V (new tokens included) are already in the pool.
-
-    K and V may have different head sizes (MLA); ``sinks`` (``[Hq]`` or None) are attention-sink logits
-    (gpt-oss): one extra key per head that takes softmax mass and contributes no value.
-    """
-
-    name: str
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        scaling: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
 
 
 class TorchBackend:
@@ -100,7 +74,7 @@ class TritonBackend:
             return self._shared.shared_prefix_attention(
                 q, k_cache, v_cache, batch.kv_indices, share.buffers, scaling,
                 num_prefix_splits=share.prefix_splits, sliding_window=sliding_window, softcap=softcap,
-                sinks=sinks, mode=share.mode,
+                sinks=sinks, mode=share.mode, side_stream=share.side_stream,
             )
         if batch.is_decode:
             return self._kernels.decode_attention(

@@ -42,11 +42,12 @@ from ..paged_attention.forward_batch import (
     build_forward_batch,
     load_graph_inputs,
 )
-from ..paged_attention.shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
+from ..paged_attention.prefix_groups import DecodeShare
+from ..paged_attention.shared_decode import SharedPrefixDecode, decode_cost
 from .fused_ops import fused_norm_and_rope
 
 if TYPE_CHECKING:
-    from ..engine import RadixEngine
+    from .engine_view import ForwardEngine
 
 logger = logging.get_logger(__name__)
 
@@ -88,7 +89,7 @@ class _CapturedForwards(abc.ABC):
     #: the kernels read the slot lists of whole contexts (decode) or of cached prefixes (extend)
     decode: bool
 
-    def __init__(self, engine: RadixEngine, max_rows: int, max_tokens: int, fused_ops: bool = True):
+    def __init__(self, engine: ForwardEngine, max_rows: int, max_tokens: int, fused_ops: bool = True):
         self.engine = engine
         self.table = engine.manager.table
         self.max_rows, self.max_tokens = max_rows, max_tokens
@@ -246,7 +247,7 @@ class DecodeGraphs(_CapturedForwards):
     decode = True
 
     def __init__(
-        self, engine: RadixEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
+        self, engine: ForwardEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
     ):
         super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
@@ -351,7 +352,7 @@ class DecodeGraphs(_CapturedForwards):
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.shared_prefix is not None:
-            batch.shared_prefix.refresh(batch)
+            batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
         return self.engine.run_model(batch)
 
 
@@ -361,7 +362,7 @@ class ExtendGraphs(_CapturedForwards):
     decode = False
 
     def __init__(
-        self, engine: RadixEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1],
+        self, engine: ForwardEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1],
         fused_ops: bool = True,
     ):
         super().__init__(engine, max_rows, max_tokens, fused_ops)

@@ -34,7 +34,7 @@ from .cuda_graph import (
 )
 
 if TYPE_CHECKING:
-    from ..engine import RadixEngine
+    from .engine_view import ForwardEngine
 
 logger = logging.get_logger(__name__)
 
@@ -54,7 +54,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        engine: RadixEngine,
+        engine: ForwardEngine,
         *,
         cuda_graph: bool = True,
         max_batch: int = 256,
@@ -154,7 +154,7 @@ class ModelRunner:
             if self.eager_shared is not None and step.is_decode:
                 batch.shared_prefix = self.eager_shared.share(step)
                 if batch.shared_prefix is not None:
-                    batch.shared_prefix.refresh(batch)
+                    batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
             return (eager or self.engine.forward)(batch)
         self.engine.record_forward(step.num_tokens)
         rows = step.logits_rows()
@@ -237,7 +237,7 @@ class ModelRunner:
         for splits in (1, 2):
             batch = build_forward_batch(engine.manager.table, step)
             batch.shared_prefix = self.eager_shared.one_group(step, prefix, splits)
-            batch.shared_prefix.refresh(batch)
+            batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
             engine.run_model(batch)
 
     def _capture_all(self) -> float:

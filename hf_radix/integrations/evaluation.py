@@ -8,15 +8,26 @@ Inputs may be any iterable: lists, generators, a `datasets.Dataset` column.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+import torch
 from tqdm.auto import tqdm
 
 from ..errors import RequestError
+from ..forward.engine_view import ForwardEngine
 from ..scheduling.request import prompt_items, token_id_array
 
-if TYPE_CHECKING:
-    from ..runner import RadixBatchRunner
+
+class ScoringRunner(Protocol):
+    """What the loops use of a `RadixBatchRunner`."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    engine: ForwardEngine
+
+    def loglikelihood(
+        self, pairs: Iterable, progress: bool | None = None, errors: str = "raise"
+    ) -> list[tuple[float, bool] | None]: ...
 
 Window = tuple[list[int], list[int]]
 
@@ -43,7 +54,7 @@ def rolling_windows(tokens: Sequence[int], prefix_token_id: int, max_length: int
     return windows
 
 
-def default_prefix_token_id(runner: RadixBatchRunner) -> int:
+def default_prefix_token_id(runner: ScoringRunner) -> int:
     """BOS of the tokenizer (or model), else its EOS: what the first token of a text is conditioned on."""
     tok = runner.tokenizer
     candidates = [getattr(tok, "bos_token_id", None), getattr(tok, "eos_token_id", None)]
@@ -57,7 +68,7 @@ def default_prefix_token_id(runner: RadixBatchRunner) -> int:
     raise ValueError("the tokenizer and the model config have no BOS or EOS token; pass prefix_token_id")
 
 
-def _token_lists(runner: RadixBatchRunner, texts: Iterable) -> tuple[list[list[int]], dict[int, str]]:
+def _token_lists(runner: ScoringRunner, texts: Iterable) -> tuple[list[list[int]], dict[int, str]]:
     """Strings are tokenized without special tokens (the prefix token plays BOS); token ids pass through.
     A text that is not valid token ids gets no tokens and its message in the returned {index: message}."""
     texts = prompt_items(texts, "loglikelihood_rolling", "texts")
@@ -81,7 +92,7 @@ ROLLING_GROUP_TOKENS = 1 << 16  # with a progress bar, texts are scored in runne
 
 
 def loglikelihood_rolling(
-    runner: RadixBatchRunner,
+    runner: ScoringRunner,
     texts: Iterable,
     progress: bool | None = None,
     *,
@@ -130,7 +141,7 @@ def loglikelihood_rolling(
 
 
 def score_choices(
-    runner: RadixBatchRunner,
+    runner: ScoringRunner,
     contexts: Iterable,
     choices: Iterable[Sequence],
     progress: bool | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -183,7 +182,7 @@ class RadixGenerateCache(RadixCache):
         self._open_rows(ids, None, mask, ids.shape[1])
         step = self._step()
         logits = None
-        stream = _ahead_stream(self.engine)
+        stream = self.engine.side_stream("prefill_ahead")
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         if self.model_runner.graph_fits(step):
@@ -455,19 +454,6 @@ class RadixGenerateCache(RadixCache):
         self.engine.stats.generated_tokens += generated
         if self._started is not None:
             self.engine.stats.wall_time += time.perf_counter() - self._started
-
-
-_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> side stream
-
-
-def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
-    """The engine's stream for steps run ahead (None off CUDA, or over several devices)."""
-    if engine.device.type != "cuda" or not engine.single_device:
-        return None
-    stream = _ahead_streams.get(engine)
-    if stream is None:
-        stream = _ahead_streams[engine] = torch.cuda.Stream(engine.device)
-    return stream
 
 
 def _wait_for(stream: torch.cuda.Stream | None) -> None:

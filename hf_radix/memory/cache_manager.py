@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -13,8 +13,17 @@ import torch
 from .page_table import PageTable
 from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
 
-if TYPE_CHECKING:
-    from .host_tier import HostTier
+
+class LowerTier(Protocol):
+    """A cache behind the GPU tree that a match may extend (the host tier, `host_tier.HostTier`)."""
+
+    tree: RadixPrefixCache
+
+    def extend_match(self, ids: np.ndarray, handle: MatchHandle) -> MatchHandle: ...
+
+    def reset(self) -> None: ...
+
+    def check_integrity(self) -> None: ...
 
 
 class OutOfPagesError(RuntimeError):
@@ -62,7 +71,7 @@ class CacheManager:
         self._lazy_frees: list[np.ndarray] | None = None
         self.evicted_tokens = 0
         self.lock_version = 0  # bumped whenever a row's lock changes (opened, moved, closed)
-        self.host_tier: HostTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
+        self.host_tier: LowerTier | None = None  # set by HostTier.attach: keeps evicted pages in host memory
 
     # -- sizes ---------------------------------------------------------------------------------------
     @property

@@ -15,7 +15,7 @@ from ..kernels import triton_runs_on
 from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
-    from .shared_decode import DecodeShare
+    from .prefix_groups import DecodeShare
 
 
 @dataclass

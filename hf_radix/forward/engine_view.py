@@ -1,0 +1,46 @@
+"""What the forward machinery reads of its engine: a `Protocol` that `RadixEngine` satisfies, so that the
+model runner, the graphs, the shared-prefix planner and the cache depend on it, not on the engine module."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..memory.cache_manager import CacheManager
+from ..memory.kv_pool import KVPool
+from ..memory.placement import PlacedKVPool
+from ..options import EngineOptions
+from ..paged_attention.backend import AttentionBackend
+from ..paged_attention.forward_batch import ForwardBatch
+
+
+class ForwardEngine(Protocol):
+    """One model's pool, page table and backend, and its forward on a packed batch."""
+
+    model: torch.nn.Module
+    options: EngineOptions
+    manager: CacheManager
+    pool: KVPool | PlacedKVPool
+    backend: AttentionBackend
+    max_context: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def single_device(self) -> bool: ...
+
+    @property
+    def captures_graphs(self) -> bool: ...
+
+    def run_model(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def record_forward(self, num_tokens: int) -> None: ...
+
+    def side_stream(self, name: str, priority: int = 0) -> torch.cuda.Stream | None: ...
