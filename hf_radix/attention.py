@@ -23,6 +23,10 @@ class TorchBackend:
 
     name = "torch"
 
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        # MLA extends: the layer gathers its cached prefix's latents, this reference indexes them on the host
+        return decode or not latent
+
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
         out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
         qo = batch.qo_indptr_host
@@ -61,6 +65,9 @@ class TritonBackend:
     with a `shared_prefix` plan read each group's prefix once (`hf_radix.paged_attention.shared_decode`)."""
 
     name = "triton"
+
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        return decode  # split-KV decode over whole contexts; extend over cached prefixes + the new tokens
 
     def __init__(self):
         from .kernels import triton_attention, triton_shared_prefix

@@ -12,7 +12,7 @@ from ..memory.kv_pool import KVPool
 from ..memory.placement import PlacedKVPool
 from ..options import EngineOptions
 from ..paged_attention.backend import AttentionBackend
-from ..paged_attention.forward_batch import ForwardBatch
+from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
 
 
 class ForwardEngine(Protocol):
@@ -43,4 +43,12 @@ class ForwardEngine(Protocol):
 
     def record_forward(self, num_tokens: int) -> None: ...
 
+    def sync_sampled(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
     def side_stream(self, name: str, priority: int = 0) -> torch.cuda.Stream | None: ...
+
+
+def eager_batch(engine: ForwardEngine, step: StepRows) -> ForwardBatch:
+    """The metadata of `step` in fresh tensors, with the slot list the engine's attention backend reads."""
+    context = engine.backend.reads_context(step.is_decode, engine.pool.shape.latent)
+    return build_forward_batch(engine.manager.table, step, context)

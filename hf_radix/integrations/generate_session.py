@@ -19,7 +19,7 @@ from ..cache_utils import RadixCache
 from ..errors import OWN_CACHE_MESSAGE
 from ..forward.forward_context import current_forward, model_attention, radix_forward
 from ..forward.model_runner import ModelRunner
-from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
+from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..scheduling.row_tokens import RowTokens, host_inputs
 
 if TYPE_CHECKING:
@@ -100,8 +100,10 @@ class RadixGenerateCache(RadixCache):
             _wait_for(ahead[2])
         if ahead is not None and ahead[1] is not None:
             logits = ahead[1]
-        elif self._embeds is not None:
-            logits = self._eager(*self._make_batch(None, logits=True), inner, kwargs)
+        elif self._embeds is not None:  # the prompt as embeddings: no graph (they take ids)
+            step, embeds = self._make_step(None, logits=True)
+            eager = functools.partial(self._eager, embeds=embeds, inner=inner, kwargs=kwargs)
+            logits = self.model_runner.forward(step, eager, graphs=False)
         else:
             step = self._step()
             self._allocate(step)
@@ -241,7 +243,8 @@ class RadixGenerateCache(RadixCache):
     def _eager(
         self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict
     ) -> torch.Tensor:
-        """Generate's own model call on a packed batch (the step no graph runs); its packed logits."""
+        """Generate's own model call on a packed batch (the step no graph runs, a prefill chunk); its packed
+        logits."""
         call = {key: value for key, value in kwargs.items() if key != "cache_position"}
         self.batch = batch
         try:
@@ -253,7 +256,6 @@ class RadixGenerateCache(RadixCache):
             self.batch = None
         if not self.supports_logits_to_keep:
             logits = logits[batch.logits_indices]
-        self.engine.record_forward(batch.num_tokens)
         return logits
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
@@ -335,10 +337,11 @@ class RadixGenerateCache(RadixCache):
     def _compute_rows(self) -> list[int]:
         return [b for b in range(len(self.rows)) if b not in self._followers]
 
-    def _make_batch(
+    def _make_step(
         self, ends: dict[int, int] | None, logits: bool
-    ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """Packs rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end)."""
+    ) -> tuple[StepRows, torch.Tensor | None]:
+        """Rows `b` from `computed[b]` to `ends[b]` (default: every computing row to its end), their slots
+        allocated, and their packed embeddings (a prompt given as `inputs_embeds`)."""
         if ends is None:
             ends = {b: self.tokens.length(b) for b in self._compute_rows()}
         rows = list(ends)
@@ -350,11 +353,10 @@ class RadixGenerateCache(RadixCache):
             [self.tokens.row(b)[self.computed[b]:ends[b]] for b in rows],
             None if logits else [np.zeros(0, dtype=np.int64)] * len(rows),
         )
-        batch = build_forward_batch(manager.table, step)
         packed = None
         if self._embeds is not None:
             packed = torch.cat([self._embeds[b][self.computed[b]:ends[b]] for b in rows])[None]
-        return batch, packed
+        return step, packed
 
     def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
         inputs = {
@@ -382,14 +384,10 @@ class RadixGenerateCache(RadixCache):
                     break
             if not ends:
                 return
-            batch, embeds = self._make_batch(ends, logits=False)
-            self.batch = batch
-            try:
-                with radix_forward(self):
-                    module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
-            finally:
-                self.batch = None
-            self.engine.record_forward(batch.num_tokens)
+            step, embeds = self._make_step(ends, logits=False)
+            chunk = functools.partial(self._eager, embeds=embeds, inner=module,
+                                      kwargs={"use_cache": True, "return_dict": True})
+            self.model_runner.forward(step, chunk, graphs=False)
             for b, end in ends.items():
                 self.computed[b] = end
 

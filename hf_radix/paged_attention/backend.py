@@ -18,6 +18,11 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        """Whether a batch's kernels read every row's whole-context slot list, else its cached prefix's
+        (`build_forward_batch`); `decode`: every row adds one token; `latent`: MLA latents in the pool."""
+        ...
+
     def forward(
         self,
         q: torch.Tensor,
