@@ -30,11 +30,11 @@ class RadixBatchRunner:
 
     `engine_options` are the model's engine options (`EngineOptions`, listed in docs/options.md): left out
     or None, they keep the engine (shared with `generate`) as configured, or take their defaults; options
-    that differ rebuild an idle engine. `cuda_graph` and `warm_up` apply to this runner only: False runs it
-    eagerly on a core of its own, or captures its graphs and compiles its kernels on first use instead of
-    here. The scheduler's own options: `max_running_requests`, `chunked_prefill_size`, `schedule_policy`;
-    `overlap` schedules step n+1 while the GPU runs step n; `profile` records GPU time per decode step
-    (`step_times`).
+    that differ rebuild an idle engine. `cuda_graph` and `warm_up` apply to this runner only: False runs its
+    steps eagerly (on the engine's model-runner core, without its graphs), or captures its graphs and
+    compiles its kernels on first use instead of here. The scheduler's own options:
+    `max_running_requests`, `chunked_prefill_size`, `schedule_policy`; `overlap` schedules step n+1 while
+    the GPU runs step n; `profile` records GPU time per decode step (`step_times`).
     """
 
     def __init__(
