@@ -211,7 +211,8 @@ def build_forward_batch(
     """
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    qo_indptr, positions, token_rows, logits = _token_layout(step, bool((new == 1).all()))
+    decode = into.decode if into is not None else bool((new == 1).all())  # a token a row (graphs: known)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, decode)
     lens = seq if context else prefix
     indptr = _indptr(lens)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
@@ -254,8 +255,8 @@ def build_forward_batch(
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
         seq_lens_host=seq,
-        max_new_len=int(new.max(initial=0)),
-        max_kv_len=int(seq.max(initial=0)),
+        max_new_len=min(len(rows), 1) if decode else int(new.max(initial=0)),
+        max_kv_len=longest if context else int(seq.max(initial=0)),
         **lists,
     )
 
