@@ -66,14 +66,14 @@ class TritonBackend:
 
     name = "triton"
 
-    def reads_context(self, decode: bool, latent: bool) -> bool:
-        return decode  # split-KV decode over whole contexts; extend over cached prefixes + the new tokens
-
     def __init__(self):
         from .kernels import triton_attention, triton_shared_prefix
 
         self._kernels = triton_attention
         self._shared = triton_shared_prefix
+
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        return decode  # split-KV decode over whole contexts; extend over cached prefixes + the new tokens
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
         share = batch.shared_prefix
