@@ -41,7 +41,7 @@ from test_kernels import ref_attention_row  # noqa: E402 - the float64 attention
 
 from hf_radix.kernels import store as store_mod  # noqa: E402
 from hf_radix.kernels import triton_attention as ta  # noqa: E402
-from hf_radix.kernels import triton_decode, triton_extend  # noqa: E402
+from hf_radix.kernels import triton_extend  # noqa: E402
 
 PEAK_BW = 4.3e12  # bytes/s, measured device-to-device copy rate on the H200 here
 
@@ -113,18 +113,14 @@ def _time_decode(
     cfg: dict[str, int] | None,
 ) -> float:
     d = q.shape[-1]
-    triton_decode._DECODE_CFG_OVERRIDE = cfg
-    try:
 
-        def fn() -> torch.Tensor:
-            return ta.decode_attention(
-                q, pool[0], pool[1], kv_indices, kv_indptr, d**-0.5, num_kv_splits=splits
-            )
+    def fn() -> torch.Tensor:
+        return ta.decode_attention(
+            q, pool[0], pool[1], kv_indices, kv_indptr, d**-0.5, num_kv_splits=splits, config=cfg
+        )
 
-        fn()
-        return bench(fn)
-    finally:
-        triton_decode._DECODE_CFG_OVERRIDE = None
+    fn()
+    return bench(fn)
 
 
 def _decode_point(label: str, q: torch.Tensor, pool: torch.Tensor, kv_indices: torch.Tensor,
@@ -347,12 +343,10 @@ def _rel_err(out: torch.Tensor, s: dict[str, Any], ref: dict[int, torch.Tensor])
 
 def _time_extend(s: dict[str, Any], fn: Any, cfgs: list[dict[str, int]] | None,
                  **kw: Any) -> tuple[float, torch.Tensor]:
-    triton_extend._EXTEND_CFG_OVERRIDE = cfgs
-    try:
-        out = _extend_call(fn, s, **kw)
-        return bench(lambda: _extend_call(fn, s, **kw)), out
-    finally:
-        triton_extend._EXTEND_CFG_OVERRIDE = None
+    if cfgs is not None:
+        kw["configs"] = cfgs
+    out = _extend_call(fn, s, **kw)
+    return bench(lambda: _extend_call(fn, s, **kw)), out
 
 
 def bench_extend(quick: bool, old_ref: str, old_file: str | None = None, rounds: int = 1) -> dict[str, Any]:

@@ -52,6 +52,8 @@ KV_BYTES_PER_TOKEN = 2 * HKV * D * 2  # K + V, one layer, bf16
 DEVICE = "cuda"  # the decode part's (a CPU smoke test of this script runs it under the interpreter)
 DEFAULT_MODE = EngineOptions.shared_prefix_mode  # the engine's launch order (a dataclass default)
 OVERLAP_SPLITS = most_prefix_splits("overlap")  # the runner's split count beside the suffix launch
+# the prefix launches' stream beside the suffix launch ("overlap"), of high priority as the engine's
+SIDE_STREAM = torch.cuda.Stream(priority=-1) if torch.cuda.is_available() else None
 
 
 def graph_ms(fn: Any) -> float:
@@ -101,10 +103,11 @@ def plan_of(case: dict[str, Any], new_lens: np.ndarray, prefix_splits: int,
 
 def shared_fn(case: dict[str, Any], q: torch.Tensor, new_lens: np.ndarray, prefix_splits: int,
               suffix_splits: int, mode: str = "fold", captured: bool = False,
-              tile_rows: int = 128) -> tuple[Any, dict[str, Any]]:
+              tile_rows: int = 128, configs: dict[int, dict[str, int]] | None = None,
+              ) -> tuple[Any, dict[str, Any]]:
     """One shared-prefix attention call. ``captured``: as in the runner's decode graphs -- buffers sized for
     the batch, the tables' split count ``prefix_splits`` on the device, the launch's MAX_PREFIX_SPLITS (one
-    beside the suffix launch, "overlap")."""
+    beside the suffix launch, "overlap"). ``configs``: launch configs by BLOCK_M (default: the tuned ones)."""
     plan, ruled = plan_of(case, new_lens, prefix_splits, tile_rows)
     if captured:
         rows = len(new_lens)
@@ -118,7 +121,7 @@ def shared_fn(case: dict[str, Any], q: torch.Tensor, new_lens: np.ndarray, prefi
     def fn() -> torch.Tensor:
         return sp.shared_prefix_attention(q, pool[0], pool[1], case["slots"], tiles, D**-0.5,
                                           num_prefix_splits=launched, num_suffix_splits=suffix_splits,
-                                          out=out, mode=mode)
+                                          out=out, mode=mode, side_stream=SIDE_STREAM, configs=configs)
 
     info = {"cost_rule_picks_shared": ruled.use_shared, "modelled_gain_us": plan.gain_s * 1e6,
             "prefix_tiles": len(plan.prefix_tiles), "suffix_tiles": len(plan.suffix_tiles)}
@@ -255,11 +258,11 @@ def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8
           f"{res['max_bytes_ms_at_70pct'] * 1e3:.1f} us", flush=True)
     fold_out: dict[int, torch.Tensor] = {}
     for var in decode_variants(runner_splits, quick, full):
-        sp._CFG_OVERRIDE = var["cfg"]
         entry = {**var, "cfg": {str(k): c for k, c in var["cfg"].items()}}
         try:
             fn, info = shared_fn(case, q, np.ones(rows, dtype=np.int64), var["prefix_splits"],
-                                 var["suffix_splits"], var["mode"], var["captured"], var["tile_rows"])
+                                 var["suffix_splits"], var["mode"], var["captured"], var["tile_rows"],
+                                 configs=var["cfg"])
             out = fn().clone()
             ms = graph_ms(fn)
         except Exception as exc:  # noqa: BLE001 - e.g. a config that does not fit: report, go on
@@ -267,7 +270,6 @@ def bench_decode(page: int, quick: bool, full: bool, shape: tuple[int, ...] = (8
             print(f"  {entry}: error {str(exc)[:200]}", flush=True)
             continue
         finally:
-            sp._CFG_OVERRIDE = {}
             tac._too_big.clear()  # a config that did not fit must not send later variants to the safe one
         if var["mode"] == "fold" and not var["cfg"] and not var["captured"] and var["tile_rows"] == 128:
             fold_out.setdefault(var["prefix_splits"], out)

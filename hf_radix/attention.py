@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.utils import logging
@@ -12,7 +10,7 @@ from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
 from .errors import UnsupportedModelError
 from .forward.forward_context import ATTENTION_NAME, current_forward
 from .memory.placement import layer_device
-from .paged_attention.forward_batch import ForwardBatch
+from .paged_attention.backend import AttentionBackend
 from .paged_attention.latent import expanded_attention_inputs
 
 logger = logging.get_logger(__name__)
@@ -20,34 +18,14 @@ logger = logging.get_logger(__name__)
 BACKENDS = ("auto", "torch", "triton")
 
 
-class AttentionBackend(Protocol):
-    """Computes attention for a packed batch whose K/V (new tokens included) are already in the pool.
-
-    K and V may have different head sizes (MLA); ``sinks`` (``[Hq]`` or None) are attention-sink logits
-    (gpt-oss): one extra key per head that takes softmax mass and contributes no value.
-    """
-
-    name: str
-
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_new: torch.Tensor,
-        v_new: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,
-        scaling: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor: ...
-
-
 class TorchBackend:
     """Exact reference: gathers each row's K/V from the pool and runs masked softmax attention."""
 
     name = "torch"
+
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        # MLA extends: the layer gathers its cached prefix's latents, this reference indexes them on the host
+        return decode or not latent
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
         out = q.new_empty((*q.shape[:2], v_cache.shape[-1]))
@@ -94,13 +72,16 @@ class TritonBackend:
         self._kernels = triton_attention
         self._shared = triton_shared_prefix
 
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        return decode  # split-KV decode over whole contexts; extend over cached prefixes + the new tokens
+
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
         share = batch.shared_prefix
         if share is not None and batch.is_decode:
             return self._shared.shared_prefix_attention(
                 q, k_cache, v_cache, batch.kv_indices, share.buffers, scaling,
                 num_prefix_splits=share.prefix_splits, sliding_window=sliding_window, softcap=softcap,
-                sinks=sinks, mode=share.mode,
+                sinks=sinks, mode=share.mode, side_stream=share.side_stream,
             )
         if batch.is_decode:
             return self._kernels.decode_attention(

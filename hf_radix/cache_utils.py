@@ -12,7 +12,7 @@ from .paged_attention.forward_batch import ForwardBatch
 from .paged_attention.latent import context_latents
 
 if TYPE_CHECKING:
-    from .engine import RadixEngine
+    from .forward.engine_view import ForwardEngine
 
 
 class RadixCache(Cache):
@@ -24,7 +24,7 @@ class RadixCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, engine: RadixEngine, batch: ForwardBatch | None = None):
+    def __init__(self, engine: ForwardEngine, batch: ForwardBatch | None = None):
         super().__init__(layers=[])
         self.engine = engine
         self.batch = batch

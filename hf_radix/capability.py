@@ -251,11 +251,9 @@ def count_attention_call() -> None:
         counter[0] += 1
 
 
-def install_attention_guard(model: torch.nn.Module, support: ModelSupport) -> None:
-    """Hooks the decoder stack so that every forward carrying a RadixCache checks that each of its
-    attention layers called the radix attention exactly once (idempotent)."""
-    from .cache_utils import RadixCache
-
+def install_attention_guard(model: torch.nn.Module, support: ModelSupport, cache_type: type) -> None:
+    """Hooks the decoder stack so that every forward carrying a `cache_type` (the radix cache) checks that
+    each of its attention layers called the radix attention exactly once (idempotent)."""
     stack = model.base_model
     previous = getattr(stack, _GUARD_ATTR, None)
     if previous is not None:
@@ -263,7 +261,7 @@ def install_attention_guard(model: torch.nn.Module, support: ModelSupport) -> No
             handle.remove()
 
     def carries_radix(args: tuple, kwargs: dict) -> bool:
-        return any(isinstance(v, RadixCache) for v in (*args, *kwargs.values()))
+        return any(isinstance(v, cache_type) for v in (*args, *kwargs.values()))
 
     def before(module, args, kwargs):
         _calls.set([0] if carries_radix(args, kwargs) else None)

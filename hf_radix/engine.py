@@ -45,7 +45,7 @@ class RadixEngine:
     def __init__(self, model: torch.nn.Module, options: EngineOptions | None = None):
         register()
         support = check_model(model)  # UnsupportedModelError before anything is allocated
-        install_attention_guard(model, support)
+        install_attention_guard(model, support, RadixCache)
         self.model = model
         self.state = ModelState(model)  # what cached K/V depends on besides token ids
         self.options = options or EngineOptions()
@@ -86,6 +86,18 @@ class RadixEngine:
         # Radix calls (runner runs, generate calls) on this engine run one at a time; reentrant, so that a
         # call made inside another one in the same thread (a runner inside a logits processor) can proceed.
         self.lock = threading.RLock()
+        self.generating = False  # a radix generate call is in progress (one at a time; under `lock`)
+        self._streams: dict[str, torch.cuda.Stream] = {}
+
+    def side_stream(self, name: str, priority: int = 0) -> torch.cuda.Stream | None:
+        """The engine's CUDA stream `name` beside the current one, made on first use; None off CUDA or over
+        several devices."""
+        if self.device.type != "cuda" or not self.single_device:
+            return None
+        stream = self._streams.get(name)
+        if stream is None:
+            stream = self._streams[name] = torch.cuda.Stream(self.device, priority=priority)
+        return stream
 
     def _graph_reserve(self, shape, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes a pool sized from free GPU memory leaves for the CUDA graphs this engine will capture.

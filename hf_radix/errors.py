@@ -23,7 +23,7 @@ Error policy, the same for every entry point:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 __all__ = [
     "ERROR_MODES",
@@ -41,7 +41,6 @@ OWN_CACHE_MESSAGE = (
     "cached prefix is reused automatically) and no past_key_values"
 )
 
-ErrorMode = Literal["raise", "return"]
 ERROR_MODES = ("raise", "return")
 
 

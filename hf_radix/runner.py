@@ -10,7 +10,6 @@ import numpy as np
 
 from .engine import RadixEngine, get_engine
 from .errors import check_error_mode, raise_or_return
-from .forward.model_runner import ModelRunner
 from .integrations.evaluation import loglikelihood_rolling
 from .memory.cache_io import load_cache, save_cache
 from .options import EngineOptions
@@ -29,11 +28,11 @@ class RadixBatchRunner:
 
     `engine_options` are the model's engine options (`EngineOptions`, listed in docs/options.md): left out
     or None, they keep the engine (shared with `generate`) as configured, or take their defaults; options
-    that differ rebuild an idle engine. `cuda_graph` and `warm_up` apply to this runner only: False runs it
-    eagerly on a core of its own, or captures its graphs and compiles its kernels on first use instead of
-    here. The scheduler's own options: `max_running_requests`, `chunked_prefill_size`, `schedule_policy`;
-    `overlap` schedules step n+1 while the GPU runs step n; `profile` records GPU time per decode step
-    (`step_times`).
+    that differ rebuild an idle engine. `cuda_graph` and `warm_up` apply to this runner only: False runs its
+    steps eagerly (on the engine's model-runner core, without its graphs), or captures its graphs and
+    compiles its kernels on first use instead of here. The scheduler's own options:
+    `max_running_requests`, `chunked_prefill_size`, `schedule_policy`; `overlap` schedules step n+1 while
+    the GPU runs step n; `profile` records GPU time per decode step (`step_times`).
     """
 
     def __init__(
@@ -67,18 +66,18 @@ class RadixBatchRunner:
         self._bind(get_engine(model, **{k: v for k, v in engine_options.items() if v is not None}))
 
     def _bind(self, engine: RadixEngine) -> None:
-        """Uses `engine`: its model-runner core (graphs sized for this runner), a scheduler, the warm-up."""
+        """Uses `engine`: its model-runner core (graphs sized for this runner unless it runs without), a
+        scheduler, the warm-up."""
         self.engine = engine
         engine.manager.reserve_rows(self._scheduler_options["max_running_requests"])  # not in a first run
+        self.model_runner = engine.model_runner
         if self._cuda_graph:
-            self.model_runner = engine.model_runner
             self.model_runner.ensure_graph_batch(self._scheduler_options["max_running_requests"])
-        else:
-            self.model_runner = ModelRunner(engine, cuda_graph=False)
         self.scheduler = Scheduler(
-            engine, self.model_runner, self._eos, self.tokenizer, **self._scheduler_options
+            engine, self.model_runner, self._eos, self.tokenizer, cuda_graph=self._cuda_graph,
+            **self._scheduler_options,
         )
-        warm = self._warm_up and self.model_runner.has_graphs
+        warm = self._warm_up and self._cuda_graph and self.model_runner.has_graphs
         self.warm_up_times = self.model_runner.warm_up() if warm else {}
 
     @property
@@ -90,7 +89,7 @@ class RadixBatchRunner:
         engine = get_engine(self.model)  # a new one after configure(), or for a new dtype, device or config
         with engine.lock:  # radix calls of other threads on this engine finish first
             engine.sync_model_state()  # K/V of other weights dropped; the adapter set's namespace
-            rebuilt = self._cuda_graph and engine.model_runner is not self.model_runner
+            rebuilt = engine.model_runner is not self.model_runner
             if engine is not self.engine or rebuilt:
                 self._bind(engine)  # new pool, backends, or tensors: the engine rebuilt its runner core
             self._execute_locked(reqs, progress)

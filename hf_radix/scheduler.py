@@ -24,13 +24,12 @@ from .engine import RadixEngine
 from .forward.model_runner import ModelRunner
 from .paged_attention.forward_batch import StepRows
 from .scheduling.admission import PrefillPlanner, screen
-from .scheduling.logprobs import target_logprobs
 from .scheduling.request import Req, RequestStatus
 from .scheduling.request_queues import RequestQueues
 from .scheduling.running_rows import Item, RunningRows, StepItems
 from .scheduling.sampling import Sampler
 from .scheduling.schedule_policy import PrefixAwareQueue
-from .scheduling.step_completion import LaunchedStep, StepCompleter, copy_to_host
+from .scheduling.step_completion import LaunchedStep, StepCompleter
 from .scheduling.stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
@@ -64,6 +63,7 @@ class Scheduler:
         schedule_policy: str = "lpm",
         overlap: bool = True,
         profile: bool = False,
+        cuda_graph: bool = True,
     ):
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
@@ -75,6 +75,7 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.schedule_policy = schedule_policy
         self.overlap = overlap
+        self.cuda_graph = cuda_graph  # steps may replay the model runner's captured graphs
         self._on_cuda = engine.device.type == "cuda"
         self.profile = profile and self._on_cuda
         self.sampler = Sampler(engine.device)
@@ -183,7 +184,7 @@ class Scheduler:
         if self.profile and decode:
             timer = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             timer[0].record()
-        logits = self.model_runner.forward(step)
+        logits = self.model_runner.forward(step, graphs=self.cuda_graph)
         # decode items: one sampled token each, at logits rows 0..decoding-1
         scored: list[tuple[Req, np.ndarray, bool]] = []
         score_rows: list[np.ndarray] = []
@@ -200,30 +201,24 @@ class Scheduler:
                 joining.append(req)
                 join_rows.append(offset)
             offset += count
-        table = self.manager.table
         sampled: list[Req] = running.reqs
         tokens_host = None
         if sampled or joining:
-            chosen = logits
             params, uids = running.params, running.uids
             subset = decoding + len(joining) != logits.shape[0]
+            picks = None
             if joining or subset:
                 sampled = [*sampled, *joining]
                 params = [*params, *(r.params for r in joining)]
                 uids = (*uids, *(r.index for r in joining))
                 rows = np.concatenate([running.rows, np.fromiter((r.row for r in joining), np.int64)])
-                picks = [np.concatenate([running.order, join_rows]).astype(np.int64)] if subset else []
-                rows_d, *picked = table.upload([rows, *picks])
                 if subset:
-                    chosen = logits[picked[0]]
+                    picks = np.concatenate([running.order, join_rows]).astype(np.int64)
             else:  # a decode step: the same rows as long as `running` is unchanged
                 if running.rows_device is None:
-                    (running.rows_device,) = table.upload([running.rows])
-                rows_d = running.rows_device
-            tokens = self.sampler.sample(chosen, params, uids)
-            tokens = self.engine.sync_sampled(tokens)  # tensor parallel: the same on every rank
-            table.set_next_tokens(rows_d, tokens)
-            tokens_host = copy_to_host(tokens)
+                    running.rows_device = self.model_runner.upload(running.rows)
+                rows = running.rows_device
+            tokens_host = self.model_runner.sample(self.sampler, logits, rows, params, uids, picks)
         scores = self._scores(logits, score_rows, [t for _, t, _ in scored]) if scored else None
         done = None
         if self._on_cuda:
@@ -279,9 +274,7 @@ class Scheduler:
         return last
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
-        index, target = self.manager.table.upload([np.concatenate(rows), np.concatenate(targets)])
-        logp, greedy = target_logprobs(logits, index, target)
-        return copy_to_host(logp.double()), copy_to_host(greedy)
+        return self.model_runner.score(logits, np.concatenate(rows), np.concatenate(targets))
 
     # -- completing a step ---------------------------------------------------------------------------
     def _complete(self, launched: LaunchedStep) -> None:

@@ -3,8 +3,8 @@
 A replay reads its metadata from static buffers that the step's staged upload and device gathers write
 directly (no copies from a fresh batch). Here decode and extend graphs run their replay path on the CPU:
 static buffers filled as on a GPU, and each "replay" compares them with `build_forward_batch` of the same
-padded step, then runs that batch eagerly, so the runner's tokens must equal HF's with batches that grow,
-shrink and change buckets.
+padded step in fresh tensors, then runs the step eagerly, so the runner's tokens must equal HF's with
+batches that grow, shrink and change buckets.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from twin_tables import cpu_and_cuda_tables
 from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.forward import cuda_graph
 from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.forward.engine_view import eager_batch
 from hf_radix.forward.staging import ALIGN_BYTES, HostStaging, PackedLayout, StaticBlock
 from hf_radix.paged_attention.forward_batch import GraphInputs, build_forward_batch, gather_contexts
 
@@ -40,7 +41,7 @@ class _CheckedReplay:
 
     def replay(self) -> None:
         step, inputs = self.loaded[-1]
-        eager = build_forward_batch(self.graphs.table, step)
+        eager = build_forward_batch(self.graphs.table, step, inputs.decode)
         if inputs.decode:
             lens, indptr, kv = eager.seq_lens, eager.kv_indptr, eager.kv_indices
         else:
@@ -54,7 +55,7 @@ class _CheckedReplay:
         for static, fresh in pairs:
             assert static.dtype == fresh.dtype and torch.equal(static, fresh), (static, fresh)
         self.graphs.checked += 1
-        self.logits.copy_(self.graphs.engine.run_model(eager))
+        self.logits.copy_(self.graphs.engine.run_model(eager_batch(self.graphs.engine, step)))
 
 
 def _replayed_on_host(graphs, loaded: list):
@@ -75,13 +76,15 @@ def _replayed_on_host(graphs, loaded: list):
 def test_static_inputs_equal_the_eager_batch_as_the_batch_changes(arch: str, page_size: int, shared: bool,
                                                                    monkeypatch):
     loaded: list = []
-    real_load = cuda_graph.load_graph_inputs
+    real_build = cuda_graph.build_forward_batch
 
-    def load(table, step, inputs):
-        real_load(table, step, inputs)
-        loaded.append((step, inputs))
+    def load(table, step, context, into=None):
+        batch = real_build(table, step, context, into)
+        if into is not None:
+            loaded.append((step, into))
+        return batch
 
-    monkeypatch.setattr(cuda_graph, "load_graph_inputs", load)
+    monkeypatch.setattr(cuda_graph, "build_forward_batch", load)
     model = _model(arch)
     runner = RadixBatchRunner(model, attn_backend="torch", page_size=page_size, max_total_tokens=2048,
                               max_running_requests=5, chunked_prefill_size=24, warm_up=False)
@@ -193,7 +196,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
     padded rows, an extend with ids partly from the table."""
     from hf_radix.forward.staging import RING
     from hf_radix.memory.page_table import PADDING_ROW
-    from hf_radix.paged_attention.forward_batch import StepRows, load_graph_inputs
+    from hf_radix.paged_attention.forward_batch import StepRows
 
     devices = ("cpu", "cuda")
     gen = np.random.default_rng(1)
@@ -206,7 +209,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
                         input_ids=np.zeros(8, np.int64), from_table=np.arange(8))
         inputs = [_inputs_on(device, True, 8, 8, 8, room=64) for device in devices]  # one copy
         for table, each in zip(tables, inputs):
-            load_graph_inputs(table, step, each)
+            build_forward_batch(table, step, True, into=each)
         _assert_same_inputs(*inputs)
         assert inputs[0].input_ids.tolist() == [*tokens, 0, 0, 0]
     extend = StepRows.of([*rows[:3], PADDING_ROW], [*(lens[:3] - 2), 0],
@@ -215,7 +218,7 @@ def test_static_inputs_on_the_gpu_equal_the_cpu_ones():
     extend.from_table = np.array([0, 2])
     inputs = [_inputs_on(device, False, 4, 8, 3) for device in devices]  # no room: two copies
     for table, each in zip(tables, inputs):
-        load_graph_inputs(table, extend, each)
+        build_forward_batch(table, extend, False, into=each)
     _assert_same_inputs(*inputs)
 
 
@@ -231,18 +234,18 @@ def test_replayed_logits_equal_eager_ones_as_the_batch_changes(shared: bool, mon
     runner = RadixBatchRunner(model, attn_backend="triton", max_total_tokens=8192, max_running_requests=12,
                               chunked_prefill_size=48, warm_up=False, shared_prefix=shared)
     runner.reset_cache()
-    core, table = runner.model_runner, runner.engine.manager.table
+    core = runner.model_runner
     if shared:
         planner = core.decode_graphs.shared
         planner.cost = dataclasses.replace(planner.cost, keep_all=True)
     compared = []
     real_forward = ModelRunner.forward
 
-    def forward(self, step, eager=None):
-        logits = real_forward(self, step, eager)
+    def forward(self, step, eager=None, **options):
+        logits = real_forward(self, step, eager, **options)
         if self.graph_fits(step):
             replayed = logits.clone()
-            again = self.engine.run_model(build_forward_batch(table, step))
+            again = self.engine.run_model(eager_batch(self.engine, step))
             rows = step.logits_rows()
             again = again if rows is None else again[torch.as_tensor(rows, device=again.device)]
             torch.testing.assert_close(replayed, again, rtol=1e-4, atol=1e-4)

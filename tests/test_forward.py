@@ -8,7 +8,8 @@ import torch
 from conftest import fresh_model, hf_logits, random_ids
 
 from hf_radix.engine import EngineOptions, RadixEngine
-from hf_radix.paged_attention.forward_batch import StepRows, build_forward_batch
+from hf_radix.forward.engine_view import eager_batch
+from hf_radix.paged_attention.forward_batch import StepRows
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma2"]
 
@@ -23,7 +24,7 @@ def _forward_rows(engine: RadixEngine, rows: list[tuple[int, list[int], int]]) -
         [np.asarray(ids[start:]) for _, ids, start in rows],
         [np.arange(len(ids) - start) for _, ids, start in rows],
     )
-    batch = build_forward_batch(manager.table, step)
+    batch = eager_batch(engine, step)
     logits = engine.forward(batch)
     out, offset = [], 0
     for _, ids, start in rows:

@@ -297,7 +297,6 @@ def _tol(dtype: torch.dtype) -> float:
 
 
 def _run_case(name: str) -> dict[str, Any]:
-    import hf_radix.kernels.triton_extend as ta
 
     kind, bkw, kkw = INTERP_CASES[name]
     kkw = dict(kkw)
@@ -308,11 +307,7 @@ def _run_case(name: str) -> dict[str, Any]:
     t0 = time.time()
     if kind == "extend":
         case = make_extend_case(**bkw)
-        ta._EXTEND_CFG_OVERRIDE = cfg
-        try:
-            out = run_extend(case, scaling, **kkw)
-        finally:
-            ta._EXTEND_CFG_OVERRIDE = None
+        out = run_extend(case, scaling, configs=cfg, **kkw)
         ref = ref_extend(case, scaling, kkw.get("sliding_window"), kkw.get("softcap"))
     else:
         case = make_decode_case(**bkw)

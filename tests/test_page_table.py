@@ -161,17 +161,17 @@ def test_staging_never_rewrites_a_buffer_whose_copy_is_in_flight():
 def test_metadata_on_the_gpu_equals_the_cpu_one():
     """The staged copy (int64 and int32 parts, the pending table writes) and the device gathers give on
     CUDA exactly the metadata they give on the CPU: decode steps (more than the ring has buffers, a write
-    each) and mixed steps with ids from the table, every slot-list choice."""
+    each) and mixed steps with ids from the table, either slot list."""
     import dataclasses
 
     from hf_radix.forward.staging import RING
-    from hf_radix.paged_attention.forward_batch import SLOT_LISTS, StepRows, build_forward_batch
+    from hf_radix.paged_attention.forward_batch import StepRows, build_forward_batch
 
     gen = np.random.default_rng(0)
     tables, rows, lens, contexts, _ = cpu_and_cuda_tables(gen)
 
-    def same(step: StepRows, slot_lists: str) -> None:
-        cpu, cuda = (build_forward_batch(t, step, slot_lists) for t in tables)
+    def same(step: StepRows, context: bool) -> None:
+        cpu, cuda = (build_forward_batch(t, step, context) for t in tables)
         for field in dataclasses.fields(cpu):
             a, b = getattr(cpu, field.name), getattr(cuda, field.name)
             if isinstance(a, torch.Tensor):
@@ -186,12 +186,12 @@ def test_metadata_on_the_gpu_equals_the_cpu_one():
             table.write(rows, lens + k, np.array([c[40 + k % 20] for c in contexts]))
         step = StepRows(rows=rows, prefix_lens=lens + k, new_lens=np.ones(5, np.int64),
                         input_ids=np.zeros(5, np.int64), from_table=np.arange(5))
-        same(step, SLOT_LISTS[k % 3])
+        same(step, k % 2 == 0)
     mixed = StepRows.of(rows[:3], lens[:3] - 2, [gen.integers(0, 1000, n) for n in (1, 2, 3)],
                         [np.array([0]), np.array([]), np.array([1, 2])])
     mixed.from_table = np.array([0])
-    for slot_lists in SLOT_LISTS:
-        same(mixed, slot_lists)
+    for context in (True, False):
+        same(mixed, context)
 
 
 def test_the_table_widens_past_its_first_width_keeping_rows_and_pending_writes():

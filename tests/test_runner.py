@@ -177,7 +177,7 @@ def test_interrupt_leaves_engine_usable(monkeypatch):
     gen = torch.Generator().manual_seed(8)
     prompts = [random_ids(gen, 20) for _ in range(4)]
     engine = runner.engine
-    real_forward = engine.forward
+    real_forward = engine.run_model
     calls = {"n": 0}
 
     def interrupted(batch):
@@ -186,12 +186,12 @@ def test_interrupt_leaves_engine_usable(monkeypatch):
             raise KeyboardInterrupt
         return real_forward(batch)
 
-    monkeypatch.setattr(engine, "forward", interrupted)
+    monkeypatch.setattr(engine, "run_model", interrupted)
     with pytest.raises(KeyboardInterrupt):
         runner.run(prompts, SamplingParams(max_new_tokens=NEW))
     runner.check_integrity()
     assert engine.manager.num_rows == 0
-    monkeypatch.setattr(engine, "forward", real_forward)
+    monkeypatch.setattr(engine, "run_model", real_forward)
     outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))
     runner.check_integrity()
     _assert_matches_hf("llama", prompts, outs)
@@ -247,13 +247,13 @@ def test_admission_holds_exactly_max_running_requests(limit: int, monkeypatch):
     runner = _runner("llama", max_running_requests=limit)
     engine = runner.engine
     sizes: list[int] = []
-    real_forward = engine.forward
+    real_forward = engine.run_model
 
     def counting(batch):
         sizes.append(batch.batch_size)
         return real_forward(batch)
 
-    monkeypatch.setattr(engine, "forward", counting)
+    monkeypatch.setattr(engine, "run_model", counting)
     gen = torch.Generator().manual_seed(11)
     prompts = [random_ids(gen, 5 + i) for i in range(12)]
     outs = runner.run(prompts, SamplingParams(max_new_tokens=3))

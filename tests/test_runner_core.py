@@ -61,14 +61,14 @@ def test_mixed_rounds_match_hf(arch: str, page_size: int, monkeypatch):
     runner = _runner(arch, page_size=page_size, max_running_requests=3, chunked_prefill_size=12)
     engine = runner.engine
     mixed = []
-    real_forward = engine.forward
+    real_forward = engine.run_model
 
     def forward(batch):
         new = np.diff(batch.qo_indptr_host)
         mixed.append(bool(np.any(new == 1) and np.any(new > 1)))
         return real_forward(batch)
 
-    monkeypatch.setattr(engine, "forward", forward)
+    monkeypatch.setattr(engine, "run_model", forward)
     steps = _checked_every_step(runner, monkeypatch)
     prompts = _prompts(1, 9)
     outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW))

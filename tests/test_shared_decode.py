@@ -94,8 +94,8 @@ def test_plan_is_kept_while_rows_decode_and_refreshed_on_the_device(page_size: i
                         input_ids=np.zeros(len(rows), dtype=np.int64))
         share = shared.share(step)
         assert share is not None and shared.plans == 1 and shared.steps == k + 1
-        batch = build_forward_batch(engine.manager.table, step)
-        share.refresh(batch)
+        batch = build_forward_batch(engine.manager.table, step, context=True)
+        share.refresh(batch.kv_indptr, batch.seq_lens)
         node_ids, shared_lens = tree_groups([engine.manager.row_handle(r) for r in rows])
         seq = lens + k + 1
         plan = build_shared_prefix_plan(node_ids, shared_lens, np.cumsum(seq) - seq, seq, cost=cost,

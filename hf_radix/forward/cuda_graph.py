@@ -12,13 +12,14 @@ replaying a captured graph removes that. Two kinds:
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
 
-Before a replay the step's metadata lands in the graph's static buffers: the staged copy of what the host
-sends goes straight into a static block laid out for the graph's padded shape, and the device gathers
-(ids read from the page table, slot lists) write into the static buffers; the static slot buffer holds
-every row's whole context (bucket x table width), so no context length falls back to eager. Graphs are
-captured with the model's Llama-style norms and rotary embeddings swapped for single Triton kernels
-(`fused_ops`, unless turned off). Off CUDA the same padded batches run eagerly, so the padding logic is
-exercised on the CPU too.
+Before a replay the step's metadata lands in the graph's static buffers through the function that builds
+eager batches (`build_forward_batch(..., into=)`): the staged copy of what the host sends goes straight
+into a static block laid out for the graph's padded shape, and the device gathers (ids read from the page
+table, the slot list) write into the static buffers; a capture records the batch it returns. The static
+slot buffer holds every row's whole context (bucket x table width), so no context length falls back to
+eager. Graphs are captured with the model's Llama-style norms and rotary embeddings swapped for single
+Triton kernels (`fused_ops`, unless turned off). Off CUDA the same padded batches run eagerly, so the
+padding logic is exercised on the CPU too.
 """
 
 from __future__ import annotations
@@ -28,25 +29,17 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers.utils import logging
 
 from ..memory.page_table import PADDING_ROW
-from ..paged_attention.forward_batch import (
-    ForwardBatch,
-    GraphInputs,
-    StepRows,
-    build_forward_batch,
-    load_graph_inputs,
-)
-from ..paged_attention.shared_decode import DecodeShare, SharedPrefixDecode, decode_cost
+from ..paged_attention.forward_batch import ForwardBatch, GraphInputs, StepRows, build_forward_batch
+from ..paged_attention.prefix_groups import DecodeShare
+from ..paged_attention.shared_decode import SharedPrefixDecode, decode_cost
+from .engine_view import ForwardEngine, eager_batch
 from .fused_ops import fused_norm_and_rope
-
-if TYPE_CHECKING:
-    from ..engine import RadixEngine
 
 logger = logging.get_logger(__name__)
 
@@ -88,7 +81,7 @@ class _CapturedForwards(abc.ABC):
     #: the kernels read the slot lists of whole contexts (decode) or of cached prefixes (extend)
     decode: bool
 
-    def __init__(self, engine: RadixEngine, max_rows: int, max_tokens: int, fused_ops: bool = True):
+    def __init__(self, engine: ForwardEngine, max_rows: int, max_tokens: int, fused_ops: bool = True):
         self.engine = engine
         self.table = engine.manager.table
         self.max_rows, self.max_tokens = max_rows, max_tokens
@@ -131,27 +124,6 @@ class _CapturedForwards(abc.ABC):
                 "these CUDA graphs were released with their engine's KV pool; use the model's current engine"
             )
 
-    # -- the static batch of one shape -------------------------------------------------------------------
-    def _static_batch(self, inputs: GraphInputs, rows: int, tokens: int) -> ForwardBatch:
-        """The batch a graph of `rows` rows (padding row included) and `tokens` tokens is captured with."""
-        return ForwardBatch(
-            input_ids=inputs.input_ids,
-            positions=inputs.positions,
-            out_loc=inputs.out_loc,
-            qo_indptr=inputs.qo_indptr,
-            prefix_lens=inputs.lens,
-            seq_lens=inputs.lens,
-            kv_indices=inputs.kv,
-            kv_indptr=inputs.kv_indptr,
-            prefix_kv_indices=inputs.kv,
-            prefix_kv_indptr=inputs.kv_indptr,
-            logits_indices=inputs.logits_indices,
-            qo_indptr_host=np.r_[np.arange(rows) if self.decode else np.zeros(rows, dtype=np.int64), tokens],
-            seq_lens_host=np.ones(rows, dtype=np.int64),
-            max_new_len=1 if self.decode else tokens,
-            max_kv_len=self.kv_bound,
-        )
-
     # -- running -----------------------------------------------------------------------------------------
     def _run(self, key: tuple[int, ...], padded: StepRows, real_rows: int) -> torch.Tensor:
         """Runs a padded batch (its graph, captured on first use; eagerly off CUDA); real rows' logits.
@@ -160,12 +132,12 @@ class _CapturedForwards(abc.ABC):
         """
         self._check_live()
         self.replays += 1
-        if not self.capture:  # eager runs (off CUDA) may use any backend: both slot lists
-            return self._forward(self._attach(key, build_forward_batch(self.table, padded)))[:real_rows]
+        if not self.capture:  # eager runs (off CUDA) may use any backend
+            return self._forward(self._attach(key, eager_batch(self.engine, padded)))[:real_rows]
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(key)
-        load_graph_inputs(self.table, padded, captured[2])
+        build_forward_batch(self.table, padded, self.decode, into=captured[2])
         self.loads += 1
         return self._replay(captured, real_rows)
 
@@ -186,9 +158,11 @@ class _CapturedForwards(abc.ABC):
         padding = self._padding_only(key)
         rows, tokens = padding.batch_size, padding.num_tokens
         inputs = GraphInputs(self._block, self._kv, rows, tokens, key[0], self.decode)
-        load_graph_inputs(self.table, padding, inputs)
+        batch = build_forward_batch(self.table, padding, self.decode, into=inputs)
         self.loads += 1
-        graph, logits = self._record(self._attach(key, self._static_batch(inputs, rows, tokens)))
+        # the kernels' launch sizes (split counts) for the longest context a replay may bring
+        batch = dataclasses.replace(batch, max_kv_len=self.kv_bound)
+        graph, logits = self._record(self._attach(key, batch))
         self.capture_time += time.perf_counter() - started
         logger.info("captured a %s CUDA graph for %s", type(self).__name__, key)
         return graph, logits, inputs
@@ -246,7 +220,7 @@ class DecodeGraphs(_CapturedForwards):
     decode = True
 
     def __init__(
-        self, engine: RadixEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
+        self, engine: ForwardEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
     ):
         super().__init__(engine, max_batch, max_batch, fused_ops)
         self.sizes = bucket_sizes(max_batch)
@@ -331,7 +305,7 @@ class DecodeGraphs(_CapturedForwards):
         captured = self._graphs.get(key)
         if captured is None:
             return
-        load_graph_inputs(self.table, padded, captured[2])
+        build_forward_batch(self.table, padded, True, into=captured[2])
         self.loads += 1
         self._prepared = _PreparedStep(key, step.rows.copy(), step.prefix_lens.copy(), self.loads)
 
@@ -346,12 +320,12 @@ class DecodeGraphs(_CapturedForwards):
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
         if len(key) == 2:
             return batch
-        share = DecodeShare(self.shared.buffers, key[0], key[2], self.shared.mode)
+        share = DecodeShare(self.shared.buffers, key[0], key[2], self.shared.mode, self.shared.side_stream)
         return dataclasses.replace(batch, shared_prefix=share)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.shared_prefix is not None:
-            batch.shared_prefix.refresh(batch)
+            batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
         return self.engine.run_model(batch)
 
 
@@ -361,7 +335,7 @@ class ExtendGraphs(_CapturedForwards):
     decode = False
 
     def __init__(
-        self, engine: RadixEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1],
+        self, engine: ForwardEngine, max_rows: int = 8, max_tokens: int = EXTEND_TOKEN_BUCKETS[-1],
         fused_ops: bool = True,
     ):
         super().__init__(engine, max_rows, max_tokens, fused_ops)

@@ -1,9 +1,12 @@
-"""The model-runner core: turns the rows of a step into logits, for the batch runner and `generate` alike.
+"""The model-runner core: turns the rows of a step into logits, for the batch runner and `generate` alike,
+and samples or scores them on the device with the copy back to the host started (`sample`, `score`).
 
 It is the one place that picks how a step runs: a captured decode graph (one new token per row), a
-captured extend graph (a few new tokens per row after cached prefixes), or an eager forward. Graphs exist
-where `engine.captures_graphs` (CUDA, Triton attention, no MLA latent pool); `warm_up` captures every
-shape and compiles the eager kernels before the first request, so a first run costs what a steady one does.
+captured extend graph (a few new tokens per row after cached prefixes), or an eager forward (the engine's,
+or the caller's own model call: generate's steps, a prompt given as embeddings, prefill chunks); every
+forward is counted in the engine's statistics here. Graphs exist where `engine.captures_graphs` (CUDA,
+Triton attention, no MLA latent pool); `warm_up` captures every shape and compiles the eager kernels before
+the first request, so a first run costs what a steady one does.
 The graphs hold the addresses of the engine's pool: `release` frees them when the engine closes its pool
 or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` estimates the memory the
 graphs take, which the engine keeps out of a pool sized from free GPU memory.
@@ -14,17 +17,17 @@ each group's prefix once where the cost rule says so, in graphs and eagerly (`pa
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 from transformers.utils import logging
 
 from ..memory.page_table import PADDING_ROW, to_device
-from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
+from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..paged_attention.shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
-from ..scheduling.sampling import warm_up_sampling
+from ..scheduling.logprobs import target_logprobs
+from ..scheduling.sampling import Sampler, SamplingParams, warm_up_sampling
 from .cuda_graph import (
     EXTEND_TOKEN_BUCKETS,
     DecodeGraphs,
@@ -32,9 +35,7 @@ from .cuda_graph import (
     GraphCaptureError,
     static_buffer_bytes,
 )
-
-if TYPE_CHECKING:
-    from ..engine import RadixEngine
+from .engine_view import ForwardEngine, eager_batch
 
 logger = logging.get_logger(__name__)
 
@@ -54,7 +55,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        engine: RadixEngine,
+        engine: ForwardEngine,
         *,
         cuda_graph: bool = True,
         max_batch: int = 256,
@@ -131,36 +132,74 @@ class ModelRunner:
         """Whether `step` would replay a captured graph."""
         return self._graphs_for(step) is not None
 
-    def forward(self, step: StepRows, eager: EagerForward | None = None) -> torch.Tensor:
-        """Logits of the positions `step` asks for, rows concatenated.
+    def forward(
+        self, step: StepRows, eager: EagerForward | None = None, *, graphs: bool = True
+    ) -> torch.Tensor:
+        """Logits of the positions `step` asks for, rows concatenated; the forward counted in the engine's
+        statistics.
 
         A graph's logits are its output buffer, valid until the next forward. `eager` runs the batch when
-        no graph fits (default: the engine's counted forward).
+        no graph runs the step (default: the engine's model on the batch); `graphs=False`: none does (a
+        runner without graphs, a step given as embeddings).
         """
         if self.released:
             raise RuntimeError(
                 "this model runner was released with its engine's KV pool (closed, or options changed); "
                 "use the model's current engine (hf_radix.get_engine(model).model_runner)"
             )
-        graphs = self._graphs_for(step)
-        if graphs is not None:
+        captured = self._graphs_for(step) if graphs else None
+        if captured is not None:
             try:
-                logits = graphs.run(step, fits=True)
+                logits = captured.run(step, fits=True)
             except GraphCaptureError as error:
                 self._give_up_graphs(error)
-                graphs = None
-        if graphs is None:
-            batch = build_forward_batch(self.engine.manager.table, step)
+                captured = None
+        if captured is None:
+            batch = eager_batch(self.engine, step)
             if self.eager_shared is not None and step.is_decode:
                 batch.shared_prefix = self.eager_shared.share(step)
                 if batch.shared_prefix is not None:
-                    batch.shared_prefix.refresh(batch)
-            return (eager or self.engine.forward)(batch)
+                    batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
+            logits = (eager or self.engine.run_model)(batch)
+            self.engine.record_forward(step.num_tokens)
+            return logits
         self.engine.record_forward(step.num_tokens)
         rows = step.logits_rows()
         if rows is not None:
             return logits[to_device(rows, logits.device)]
         return logits
+
+    def sample(
+        self, sampler: Sampler, logits: torch.Tensor, rows: np.ndarray | torch.Tensor,
+        params: Sequence[SamplingParams], uids: Sequence[int], picks: np.ndarray | None = None,
+    ) -> torch.Tensor:
+        """Samples a token for each page-table row of `rows` from its logits row (`picks`, else all of
+        `logits` in order) on the device, records it as the row's next token (the next step's input) and
+        starts its copy to the host; returns the host copy, to read once the step's work completed.
+
+        `rows` already on the device (`upload`; a steady decode batch's) are not sent again.
+        """
+        table = self.engine.manager.table
+        if isinstance(rows, np.ndarray):
+            rows, *picked = table.upload([rows] if picks is None else [rows, picks])
+            if picked:
+                logits = logits[picked[0]]
+        tokens = self.engine.sync_sampled(sampler.sample(logits, params, uids))  # tensor parallel: rank 0's
+        table.set_next_tokens(rows, tokens)
+        return copy_to_host(tokens)
+
+    def score(
+        self, logits: torch.Tensor, rows: np.ndarray, targets: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The log-probability of each target token at its logits row and whether it is the greedy one,
+        computed on the device; returns their host copies (`sample`'s lifetime)."""
+        index, target = self.engine.manager.table.upload([rows, targets])
+        logp, greedy = target_logprobs(logits, index, target)
+        return copy_to_host(logp.double()), copy_to_host(greedy)
+
+    def upload(self, values: np.ndarray) -> torch.Tensor:
+        """`values` (int64) on the device, in the page table's staged copy."""
+        return self.engine.manager.table.upload([values])[0]
 
     def prepare(self, step: StepRows) -> None:
         """Loads the inputs of a decode step that is to come (its ids excepted) while the GPU runs the
@@ -213,7 +252,7 @@ class ModelRunner:
                         rows=np.full(len(lens), PADDING_ROW), prefix_lens=np.full(len(lens), prefix),
                         new_lens=np.array(lens), input_ids=np.zeros(sum(lens), dtype=np.int64),
                     )
-                    logits = engine.run_model(build_forward_batch(engine.manager.table, step))
+                    logits = engine.run_model(eager_batch(engine, step))
         if logits is not None:
             warm_up_sampling(logits)
         self._warm_up_shared_prefix()
@@ -235,9 +274,9 @@ class ModelRunner:
         step = StepRows(rows=np.full(2, PADDING_ROW), prefix_lens=np.full(2, prefix + 1),
                         new_lens=np.ones(2, dtype=np.int64), input_ids=np.zeros(2, dtype=np.int64))
         for splits in (1, 2):
-            batch = build_forward_batch(engine.manager.table, step)
+            batch = eager_batch(engine, step)
             batch.shared_prefix = self.eager_shared.one_group(step, prefix, splits)
-            batch.shared_prefix.refresh(batch)
+            batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
             engine.run_model(batch)
 
     def _capture_all(self) -> float:
@@ -254,6 +293,14 @@ class ModelRunner:
             self._give_up_graphs(error)
         return capture
 
+
+def copy_to_host(values: torch.Tensor) -> torch.Tensor:
+    """Starts copying `values` to the host (pinned memory on CUDA); read it after the step's event."""
+    if values.device.type != "cuda":
+        return values
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    return host
 
 
 def graph_memory_bytes(

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import threading
 from collections.abc import Callable
 from contextvars import ContextVar
 
@@ -32,8 +31,6 @@ logger = logging.get_logger(__name__)
 
 _SUPPORTED_MODES = ("greedy_search", "sample")
 _TAKEN_OVER = ("cache_implementation", "prefill_chunk_size")  # generation options the radix path handles
-_active_engines: set[int] = set()  # engines with a radix generate call in progress
-_active_lock = threading.Lock()
 # generation settings the radix call in this context takes over: generate, called by it, sees them unset
 _taken_over: ContextVar[tuple[str, ...]] = ContextVar("hf_radix_taken_over_settings", default=())
 
@@ -192,13 +189,12 @@ def _radix_generate(original, model, kwargs: dict):
             setattr(call["generation_config"], name, None)
     call[engine.cache_kwarg] = cache
     with engine.lock:  # another thread's radix call on this engine finishes first
-        with _active_lock:
-            if id(engine) in _active_engines:
-                raise RuntimeError(
-                    "another generate(cache_implementation='radix') is running on this model; run the calls "
-                    "one after another or pass the prompts as one batch"
-                )
-            _active_engines.add(id(engine))
+        if engine.generating:  # the same thread, inside its own call (another thread waits for the lock)
+            raise RuntimeError(
+                "another generate(cache_implementation='radix') is running on this model; run the calls "
+                "one after another or pass the prompts as one batch"
+            )
+        engine.generating = True
         result = None
         token = _taken_over.set(_TAKEN_OVER)
         try:
@@ -217,8 +213,7 @@ def _radix_generate(original, model, kwargs: dict):
                 cache.finish(_sequences(result))
         finally:
             _taken_over.reset(token)
-            with _active_lock:
-                _active_engines.discard(id(engine))
+            engine.generating = False
     return result
 
 

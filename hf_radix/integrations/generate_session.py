@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ from ..cache_utils import RadixCache
 from ..errors import OWN_CACHE_MESSAGE
 from ..forward.forward_context import current_forward, model_attention, radix_forward
 from ..forward.model_runner import ModelRunner
-from ..paged_attention.forward_batch import ForwardBatch, StepRows, build_forward_batch
+from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..scheduling.row_tokens import host_inputs
 from .generate_rows import GenerateRows
 
@@ -94,8 +93,10 @@ class RadixGenerateCache(RadixCache):
             _wait_for(ahead[2])
         if ahead is not None and ahead[1] is not None:
             logits = ahead[1]
-        elif self._embeds is not None:
-            logits = self._eager(*self._make_batch(None, logits=True), inner, kwargs)
+        elif self._embeds is not None:  # the prompt as embeddings: no graph (they take ids)
+            step, embeds = self._make_step(None, logits=True)
+            eager = functools.partial(self._eager, embeds=embeds, inner=inner, kwargs=kwargs)
+            logits = self.model_runner.forward(step, eager, graphs=False)
         else:
             step = self.rows.step()
             self.rows.allocate(step, self.steps)
@@ -175,7 +176,7 @@ class RadixGenerateCache(RadixCache):
         self._open_rows(ids, None, mask, ids.shape[1])
         step = self.rows.step()
         logits = None
-        stream = _ahead_stream(self.engine)
+        stream = self.engine.side_stream("prefill_ahead")
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())
         if self.model_runner.graph_fits(step):
@@ -204,7 +205,8 @@ class RadixGenerateCache(RadixCache):
     def _eager(
         self, batch: ForwardBatch, embeds: torch.Tensor | None, inner: Callable, kwargs: dict
     ) -> torch.Tensor:
-        """Generate's own model call on a packed batch (the step no graph runs); its packed logits."""
+        """Generate's own model call on a packed batch (the step no graph runs, a prefill chunk); its packed
+        logits."""
         call = {key: value for key, value in kwargs.items() if key != "cache_position"}
         self.batch = batch
         try:
@@ -216,7 +218,6 @@ class RadixGenerateCache(RadixCache):
             self.batch = None
         if not self.supports_logits_to_keep:
             logits = logits[batch.logits_indices]
-        self.engine.record_forward(batch.num_tokens)
         return logits
 
     # -- per-call bookkeeping --------------------------------------------------------------------------
@@ -254,10 +255,11 @@ class RadixGenerateCache(RadixCache):
         self._logits_rows = self.rows.logits_rows()
         self.rows.check_capacity()
 
-    def _make_batch(
+    def _make_step(
         self, ends: dict[int, int] | None, logits: bool
-    ) -> tuple[ForwardBatch, torch.Tensor | None]:
-        """Packs rows `b` from their computed length to `ends[b]` (default: each computing row to its end)."""
+    ) -> tuple[StepRows, torch.Tensor | None]:
+        """Rows `b` from their computed length to `ends[b]` (default: every computing row to its end), their
+        slots allocated, and their packed embeddings (a prompt given as `inputs_embeds`)."""
         tokens = self.rows.tokens
         if ends is None:
             ends = {b: tokens.length(b) for b in self.rows.compute_rows()}
@@ -270,11 +272,10 @@ class RadixGenerateCache(RadixCache):
             [tokens.row(r.index)[r.computed_len:ends[r.index]] for r in reqs],
             None if logits else [np.zeros(0, dtype=np.int64)] * len(reqs),
         )
-        batch = build_forward_batch(manager.table, step)
         packed = None
         if self._embeds is not None:
             packed = torch.cat([self._embeds[r.index][r.computed_len:ends[r.index]] for r in reqs])[None]
-        return batch, packed
+        return step, packed
 
     def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
         inputs = {
@@ -303,14 +304,10 @@ class RadixGenerateCache(RadixCache):
                     break
             if not ends:
                 return
-            batch, embeds = self._make_batch(ends, logits=False)
-            self.batch = batch
-            try:
-                with radix_forward(self):
-                    module(**self._model_inputs(batch, embeds), use_cache=True, return_dict=True)
-            finally:
-                self.batch = None
-            self.engine.record_forward(batch.num_tokens)
+            step, embeds = self._make_step(ends, logits=False)
+            chunk = functools.partial(self._eager, embeds=embeds, inner=module,
+                                      kwargs={"use_cache": True, "return_dict": True})
+            self.model_runner.forward(step, chunk, graphs=False)
             for b, end in ends.items():
                 self.rows.reqs[b].computed_len = end
 
@@ -332,19 +329,6 @@ class RadixGenerateCache(RadixCache):
         self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids)
         if self._started is not None:
             self.engine.stats.wall_time += time.perf_counter() - self._started
-
-
-_ahead_streams: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> side stream
-
-
-def _ahead_stream(engine: RadixEngine) -> torch.cuda.Stream | None:
-    """The engine's stream for steps run ahead (None off CUDA, or over several devices)."""
-    if engine.device.type != "cuda" or not engine.single_device:
-        return None
-    stream = _ahead_streams.get(engine)
-    if stream is None:
-        stream = _ahead_streams[engine] = torch.cuda.Stream(engine.device)
-    return stream
 
 
 def _wait_for(stream: torch.cuda.Stream | None) -> None:

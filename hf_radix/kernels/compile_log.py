@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MODULES = ("store", "triton_decode", "triton_extend", "triton_norm_rope", "triton_sampling",
-            "triton_shared_prefix", "triton_attention_common")
+            "triton_shared_prefix_kernels", "triton_attention_common")
 
 
 def _jit_kernels() -> dict[str, Any]:
@@ -42,11 +42,6 @@ def _variant_keys() -> dict[str, set[str]]:
         if caches is not None:  # Triton 3.2+: the first entry of each device's tuple is its kernel cache
             keys[name] = {str(key) for cache in caches.values() for key in cache[0]}
     return keys
-
-
-def compiled_variants() -> dict[str, int]:
-    """How many variants of each hf_radix Triton kernel are compiled in this process (all devices)."""
-    return {name: len(keys) for name, keys in _variant_keys().items()}
 
 
 @dataclass

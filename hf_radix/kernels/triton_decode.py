@@ -31,8 +31,6 @@ from .triton_attention_common import (
 
 __all__ = ["decode_attention"]
 
-# Optional launch-config override (tests / benchmarks): keys BLOCK_N, num_warps, num_stages.
-_DECODE_CFG_OVERRIDE: dict[str, int] | None = None
 _DECODE_SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 # --------------------------------------------------------------------------------------------------------
@@ -99,8 +97,6 @@ def _decode_stage1_kernel(
 
 
 def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
-    if _DECODE_CFG_OVERRIDE is not None:
-        return dict(_DECODE_CFG_OVERRIDE)
     if device.type != "cuda" or interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     block_d = triton.next_power_of_2(head_dim)
@@ -124,13 +120,14 @@ def decode_attention(
     max_kv_len: int | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Single-token decode attention over each row's full context (which includes the new token).
 
     q ``[B, Hq, D]``; k_cache ``[slots, Hkv, D]``; v_cache ``[slots, Hkv, Dv]``; kv_indices/kv_indptr: CSR
     slot lists of each row's context. Returns ``[B, Hq, Dv]``. ``sinks`` ``[Hq]``: attention-sink logits.
     ``num_kv_splits`` defaults to :func:`pick_num_kv_splits`; pass it (or ``max_kv_len``) to avoid a
-    device->host sync.
+    device->host sync. ``config`` (keys BLOCK_N, num_warps, num_stages) replaces the tuned launch config.
     """
     hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     batch = q.shape[0]
@@ -153,7 +150,7 @@ def decode_attention(
         num_kv_splits = pick_num_kv_splits(batch, hkv * head_blocks, eff_len, _sm_count(q.device))
     num_kv_splits = max(1, int(num_kv_splits))
 
-    cfg = _decode_config(d, q.dtype, q.device)
+    cfg = dict(config) if config is not None else _decode_config(d, q.dtype, q.device)
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     block_d = triton.next_power_of_2(d)
     direct = num_kv_splits == 1

@@ -42,9 +42,6 @@ from .triton_attention_common import (
 
 __all__ = ["extend_attention"]
 
-# Optional launch-config override (tests / benchmarks): a config (keys BLOCK_M, BLOCK_N, num_warps,
-# num_stages) or a list of them, one per row class (see _extend_configs).
-_EXTEND_CFG_OVERRIDE: dict[str, int] | list[dict[str, int]] | None = None
 # Used when the tuned config does not fit the device (e.g. less shared memory than an H100/H200).
 _EXTEND_SAFE_CFG = {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
@@ -228,9 +225,6 @@ def _extend_kernel(
 def _extend_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> list[dict[str, int]]:
     """Launch configs, one per class of rows, by increasing BLOCK_M: every class but the last serves the
     rows whose query rows fit one of its tiles (and not the previous class's); the last serves the rest."""
-    if _EXTEND_CFG_OVERRIDE is not None:
-        over = _EXTEND_CFG_OVERRIDE
-        return [dict(c) for c in (over if isinstance(over, (list, tuple)) else [over])]
     if device.type != "cuda" or interpreting():
         return [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
                 {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}]
@@ -272,6 +266,7 @@ def extend_attention(
     pack_gqa: bool | None = None,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    configs: dict[str, int] | list[dict[str, int]] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed new tokens over (cached prefix ++ new tokens) per row.
 
@@ -284,7 +279,8 @@ def extend_attention(
     that cannot occur. A bound on the prefix length (``max_prefix_len``) lets few, short query blocks over
     long prefixes split each prefix into ``num_splits`` chunks run in parallel (default: enough to fill
     the GPU; without a bound, one). ``pack_gqa`` computes the query heads sharing a KV head together
-    (default: whenever heads are grouped).
+    (default: whenever heads are grouped). ``configs`` replaces the tuned launch configs: one (keys
+    BLOCK_M, BLOCK_N, num_warps, num_stages) or a list of them, one per row class (see `_extend_configs`).
     """
     hq, hkv, d, dv = _check_common(q, k_cache, v_cache)
     t = q.shape[0]
@@ -311,7 +307,11 @@ def extend_attention(
     gp = group if pack else 1
     heads = hkv if pack else hq
     max_q_rows = t * gp if max_new_len is None else min(max_new_len, t) * gp
-    classes = _row_classes(_extend_configs(d, q.dtype, q.device), max_q_rows, batch)
+    if configs is None:
+        configs = _extend_configs(d, q.dtype, q.device)
+    elif isinstance(configs, dict):
+        configs = [configs]
+    classes = _row_classes([dict(c) for c in configs], max_q_rows, batch)
     if num_splits is None:
         num_splits = 1
         if max_prefix_len is not None:

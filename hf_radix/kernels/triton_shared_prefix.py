@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from ..paged_attention.prefix_groups import MODES, TILE_FIELDS, SharedPrefixBuffers
 from . import interpreting
@@ -48,229 +47,20 @@ from .triton_attention_common import (
     _check_common,
     _check_out,
     _dot_prec,
-    _finish_rows,
     _last_dim_contig,
     _launch,
     _merge_splits,
-    _paged_kv_loop,
-    _partial_rows,
     _scales,
     _sinks_log2,
     _window,
 )
 from .triton_decode import _decode_config
+from .triton_shared_prefix_kernels import _shared_prefix_fused_kernel, _shared_prefix_tile_kernel
 
 __all__ = ["MODES", "shared_prefix_attention", "tile_config"]
 
 
 _SAFE_CFG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
-
-# Optional launch-config overrides (tests / benchmarks) by BLOCK_M: keys BLOCK_N, num_warps, num_stages.
-_CFG_OVERRIDE: dict[int, dict[str, int]] = {}
-
-
-# --------------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _tile_program(
-    tile, kvh, split, num_splits,
-    Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
-    qk_scale, cap_scale, window, part0, num_prev,
-    stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-    GROUP: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
-    IS_PREFIX: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    # One program: split `split` of `num_splits` of tile `tile` of the table, KV head `kvh`. M rows are
-    # (query, head) pairs: query m // GROUP of the tile, query head kvh * GROUP + m % GROUP, so each K/V
-    # tile is loaded once for all of them. A prefix program (IS_PREFIX; part0 == num_prev == 0) splits each
-    # prefix into the tables' split count (read on the device, at most the grid's: one captured graph
-    # serves every count); programs past the count do nothing. Parts [0, num_prev) of each query are the
-    # prefix programs' slots, the first `prefix_parts` of them their results (valid where QShared != 0):
-    # FINAL folds those in and writes the output; otherwise split 0 of a suffix tile marks the others
-    # empty (log-sum-exp -inf: the merge kernel skips their values), so the merge kernel takes every part.
-    prefix_parts = tl.minimum(tl.load(PrefixSplits), num_prev)
-    if IS_PREFIX:
-        num_splits = tl.minimum(tl.load(PrefixSplits), num_splits)
-    meta = Tiles + tile * 5
-    q_len = tl.load(meta + 4)
-    if (q_len > 0) & (split < num_splits):
-        kv_start = tl.load(meta).to(tl.int64)
-        pos0 = tl.load(meta + 1)
-        kv_len = tl.load(meta + 2)
-        q_start = tl.load(meta + 3)
-        EVEN_D: tl.constexpr = (HEAD_DIM == BLOCK_D) and (HEAD_DIM_V == BLOCK_DV)
-        # One query a tile (decode): the range's end bounds its keys, no causal mask needed.
-        CAUSAL: tl.constexpr = TILE_Q > 1
-
-        offs_m = tl.arange(0, BLOCK_M)
-        qi = offs_m // GROUP
-        m_mask = (qi < q_len) & (qi < TILE_Q)
-        heads = kvh * GROUP + offs_m % GROUP
-        if CAUSAL:
-            if IS_PREFIX:
-                tok = tl.load(Queries + q_start + qi, mask=m_mask, other=0).to(tl.int64)
-            else:  # a suffix tile's queries are consecutive tokens
-                tok = (q_start + qi).to(tl.int64)
-            q_pos = tl.load(QPos + tok, mask=m_mask, other=0)
-            shared = tl.load(QShared + tok, mask=m_mask, other=0)
-            row = tok[:, None]  # the M rows' token, to index 2-D tiles by
-            rows_pos = q_pos
-        else:  # the M rows' token and position are scalars, as in the per-row decode kernel
-            tok = tl.load(Queries + q_start).to(tl.int64) if IS_PREFIX else q_start.to(tl.int64)
-            q_pos = tl.load(QPos + tok)
-            shared = tl.zeros([BLOCK_M], dtype=tl.int32) + tl.load(QShared + tok)
-            row = tok
-            rows_pos = tl.where(m_mask, q_pos, 0)  # for the window mask
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_dv = tl.arange(0, BLOCK_DV)
-        offs_n = tl.arange(0, BLOCK_N)
-        d_mask = offs_d < HEAD_DIM
-        dv_mask = offs_dv < HEAD_DIM_V
-
-        # Keys any query of the tile sees: [lo, hi); keys every query sees (no mask needed): [lo, safe_hi).
-        # Queries at or past the range's end (all of a prefix tile's) see up to its end, and a window's
-        # start within it from the end's position: so a prefix tile's range, and its split into chunks, do
-        # not depend on which rows share it.
-        max_pos = tl.max(tl.where(m_mask, q_pos, -1), 0)
-        min_pos = tl.min(tl.where(m_mask, q_pos, 2147483647), 0)
-        hi = tl.minimum(kv_len, max_pos - pos0 + 1)
-        if USE_WINDOW:
-            lo = tl.maximum(tl.minimum(min_pos, pos0 + kv_len) - window + 1 - pos0, 0)
-            lo = (lo // BLOCK_N) * BLOCK_N
-            safe_hi = lo
-        else:
-            lo = kv_len * 0
-            safe_hi = tl.minimum(kv_len, min_pos - pos0 + 1)
-        span = tl.maximum(hi - lo, 0)
-        split_len = tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N
-        c_lo = lo + split * split_len
-        c_hi = tl.minimum(c_lo + split_len, hi)
-        full = c_lo + tl.maximum(tl.minimum(c_hi, safe_hi) - c_lo, 0) // BLOCK_N * BLOCK_N
-
-        q_ptrs = Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptrs, mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: no (-inf) - (-inf)
-        if FINAL:  # the prefix parts first: fewer registers live than after the loops
-            mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
-            mid_o = Mid_o + row * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
-            prev = m_mask & (shared != 0)
-            for part in range(0, prefix_parts):
-                lse_p = tl.load(mid_lse + part, mask=prev, other=float("-inf"))
-                o_p = tl.load(mid_o + part * stride_ms, mask=prev[:, None] & dv_mask[None, :], other=0.0)
-                m_new = tl.maximum(m_i, lse_p)
-                alpha = tl.exp2(m_i - m_new)
-                w = tl.exp2(lse_p - m_new)
-                acc = acc * alpha[:, None] + o_p * w[:, None]
-                l_i = l_i * alpha + w
-                m_i = m_new
-        kv_idx_ptr = Slots + kv_start
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, c_lo, full, pos0, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, False, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N,
-            DOT_PREC)
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, full, c_hi, pos0, rows_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, CAUSAL, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N,
-            DOT_PREC)
-
-        st_mask = m_mask[:, None] & dv_mask[None, :]
-        if FINAL:
-            out = _finish_rows(acc, l_i, m_i, Sinks, heads, m_mask, HAS_SINKS)
-            o_ptrs = Out + row * stride_ot + heads[:, None] * stride_oh + offs_dv[None, :]
-            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=st_mask)
-        else:
-            mid_lse = Mid_lse + tok * stride_lt + heads * stride_lh
-            mid_o = Mid_o + row * stride_mt + heads[:, None] * stride_mh + offs_dv[None, :]
-            out, lse = _partial_rows(acc, l_i, m_i)
-            tl.store(mid_o + (part0 + split) * stride_ms, out, mask=st_mask)
-            tl.store(mid_lse + part0 + split, lse, mask=m_mask)
-            if split == 0:
-                alone = m_mask & (shared == 0)
-                for part in range(0, num_prev):
-                    empty = alone | (m_mask & ((shared * 0 + part) >= prefix_parts))
-                    tl.store(mid_lse + part, tl.zeros([BLOCK_M], dtype=tl.float32) + float("-inf"),
-                             mask=empty)
-
-
-# split counts, part offsets, tile counts and the partial-result strides vary with the batch: not
-# specialized on (no recompiles)
-_VARYING = ["window", "part0", "num_prev", "stride_lt", "stride_lh"]
-
-
-@triton.jit(do_not_specialize=_VARYING)
-def _shared_prefix_tile_kernel(
-    Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
-    qk_scale, cap_scale, window, part0, num_prev,
-    stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-    GROUP: tl.constexpr, TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, FINAL: tl.constexpr,
-    IS_PREFIX: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    # Grid (tiles, kv_heads, splits). Tiles of one group are consecutive in the table and in launch order,
-    # so a group's further tiles find its prefix in L2.
-    _tile_program(
-        tl.program_id(0), tl.program_id(1), tl.program_id(2), tl.num_programs(2),
-        Q, K_cache, V_cache, Slots, Tiles, Queries, QPos, QShared, PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
-        qk_scale, cap_scale, window, part0, num_prev,
-        stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-        stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-        GROUP, TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, USE_WINDOW, SOFTCAP,
-        HAS_SINKS, FINAL, IS_PREFIX, DOT_PREC)
-
-
-@triton.jit(do_not_specialize=[*_VARYING, "num_prefix_tiles", "num_suffix_tiles", "prefix_splits",
-                               "suffix_splits"])
-def _shared_prefix_fused_kernel(
-    Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, SuffixTiles, QPos, QShared,
-    PrefixSplits, Sinks, Out, Mid_o, Mid_lse,
-    qk_scale, cap_scale, window, part0, num_prev, num_prefix_tiles, num_suffix_tiles, prefix_splits,
-    suffix_splits,
-    stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-    GROUP: tl.constexpr, NUM_KV_HEADS: tl.constexpr, PREFIX_TILE_Q: tl.constexpr,
-    SUFFIX_TILE_Q: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DV: tl.constexpr, PREFIX_BLOCK_M: tl.constexpr, SUFFIX_BLOCK_M: tl.constexpr,
-    PREFIX_BLOCK_N: tl.constexpr, SUFFIX_BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    # One 1-D grid: the prefix launch's programs (in its (tiles, kv_heads, splits) order) first, then the
-    # suffix launch's (writing partial results, part0 == num_prev), so both run at once, the long prefix
-    # programs dispatched first; the merge kernel combines the parts afterwards.
-    pid = tl.program_id(0)
-    prefix_programs = num_prefix_tiles * NUM_KV_HEADS * prefix_splits
-    if pid < prefix_programs:
-        rest = pid // num_prefix_tiles
-        _tile_program(
-            pid % num_prefix_tiles, rest % NUM_KV_HEADS, rest // NUM_KV_HEADS, prefix_splits,
-            Q, K_cache, V_cache, Slots, PrefixTiles, PrefixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
-            Mid_o, Mid_lse, qk_scale, cap_scale, window, 0, 0,
-            stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-            stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-            GROUP, PREFIX_TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, PREFIX_BLOCK_M, PREFIX_BLOCK_N,
-            USE_WINDOW, SOFTCAP, HAS_SINKS, False, True, DOT_PREC)
-    else:
-        pid -= prefix_programs
-        rest = pid // num_suffix_tiles
-        _tile_program(
-            pid % num_suffix_tiles, rest % NUM_KV_HEADS, rest // NUM_KV_HEADS, suffix_splits,
-            Q, K_cache, V_cache, Slots, SuffixTiles, PrefixQueries, QPos, QShared, PrefixSplits, Sinks, Out,
-            Mid_o, Mid_lse, qk_scale, cap_scale, window, part0, num_prev,
-            stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
-            stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
-            GROUP, SUFFIX_TILE_Q, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, SUFFIX_BLOCK_M, SUFFIX_BLOCK_N,
-            USE_WINDOW, SOFTCAP, HAS_SINKS, False, False, DOT_PREC)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -297,8 +87,6 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     prefix program. On the side stream ("overlap") they take BLOCK_N 128 in 2 stages (half the iterations
     of a prefix; in the gsp-8x32 layer's sweep 109.9 us against 113.2 us for BLOCK_N 64 in 3 stages).
     """
-    if block_m in _CFG_OVERRIDE:
-        return dict(_CFG_OVERRIDE[block_m])
     if block_m < 128 or device.type != "cuda" or interpreting():
         return _decode_config(head_dim, dtype, device)
     if dtype == torch.float32:
@@ -323,18 +111,6 @@ def _check_tiles(tiles: SharedPrefixBuffers, num_tokens: int) -> None:
         raise ValueError(f"query_pos / query_shared must cover the {num_tokens} query tokens")
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a device's prefix launches run on beside the suffix launch (``mode="overlap"``); of high
-    priority, so that the SMs take the prefix programs (the longest) first."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return stream
-
-
 class _Launches:
     """The launches of one shared-prefix attention call, with its partial results allocated up front
     (before any stream fork, on the caller's stream): the prefix tiles, the suffix tiles (folding the
@@ -344,7 +120,8 @@ class _Launches:
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                  tiles: SharedPrefixBuffers, scaling: float, num_prefix_splits: int, num_suffix_splits: int,
                  sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None,
-                 out: torch.Tensor | None, mode: str):
+                 out: torch.Tensor | None, mode: str, side_stream: torch.cuda.Stream | None = None,
+                 configs: dict[int, dict[str, int]] | None = None):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         hq, self.hkv, d, dv = _check_common(q, k_cache, v_cache)
@@ -374,6 +151,8 @@ class _Launches:
         self.qk_scale, self.cap_scale, self.use_cap = _scales(scaling, softcap)
         self.window, self.use_window = _window(sliding_window)
         self.d, self.dv = d, dv
+        self.side_stream = side_stream
+        self.configs = configs or {}
 
     def _common(self) -> tuple[tuple, tuple, dict[str, Any]]:
         """(leading pointers, trailing strides, constexprs) the tile kernels share."""
@@ -386,6 +165,8 @@ class _Launches:
         return (q, kc, vc, self.slots), strides, consts
 
     def _cfg(self, block_m: int) -> dict[str, int]:
+        if block_m in self.configs:
+            return dict(self.configs[block_m])
         return tile_config(block_m, max(self.d, self.dv), self.q.dtype, self.q.device, self.mode)
 
     def _tiles(self, is_prefix: bool) -> None:
@@ -446,17 +227,17 @@ class _Launches:
             return self.out
         if self.mode == "fused":
             self.fused()
-        elif self.mode == "overlap" and self.q.device.type == "cuda":
+        elif self.mode == "overlap" and self.side_stream is not None and self.q.device.type == "cuda":
             # Fork/join (also inside CUDA-graph capture): the prefix launch on a side stream beside the
             # suffix launch. Every tensor the side stream reads was allocated on the caller's stream, which
             # waits for the side stream before anything after this call can reuse their memory.
-            main, side = torch.cuda.current_stream(self.q.device), _side_stream(self.q.device)
+            main, side = torch.cuda.current_stream(self.q.device), self.side_stream
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 self.prefix()
             self.suffix()
             main.wait_stream(side)
-        else:  # "fold", "merge" (and "overlap" off CUDA: the two launches write disjoint parts)
+        else:  # "fold", "merge" (and "overlap" without a side stream: the launches write disjoint parts)
             self.prefix()
             self.suffix()
         self.merge()
@@ -478,6 +259,8 @@ def shared_prefix_attention(
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     mode: str = "fold",
+    side_stream: torch.cuda.Stream | None = None,
+    configs: dict[int, dict[str, int]] | None = None,
 ) -> torch.Tensor:
     """Attention of the query tokens ``q`` ``[T, Hq, D]`` over the pool, shared prefixes read once per tile.
 
@@ -492,8 +275,11 @@ def shared_prefix_attention(
     replays batches of any. ``mode`` (one of `MODES`; equal results) orders the launches: ``"fold"`` the
     prefix launch, then the suffix launch folding its parts in (one suffix split); ``"merge"`` the same,
     every part merged by the merge kernel; ``"overlap"`` the prefix launch on a side stream beside the
-    suffix launch (on CUDA), then the merge; ``"fused"`` both in one launch, then the merge.
+    suffix launch (on CUDA, given ``side_stream``, best of high priority so that the SMs take the long
+    prefix programs first; without one the launches run one after the other), then the merge; ``"fused"``
+    both in one launch, then the merge. ``configs`` replaces the tuned launch configs by BLOCK_M (keys
+    BLOCK_N, num_warps, num_stages; see `tile_config`).
     Returns ``[T, Hq, Dv]`` in ``q``'s dtype; rows of tokens outside every suffix tile are undefined.
     """
     return _Launches(q, k_cache, v_cache, slots, tiles, scaling, num_prefix_splits, num_suffix_splits,
-                     sliding_window, softcap, sinks, out, mode).run()
+                     sliding_window, softcap, sinks, out, mode, side_stream, configs).run()

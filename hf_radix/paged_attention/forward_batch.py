@@ -1,5 +1,6 @@
-"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`, or
-a captured graph's static inputs, `GraphInputs`, filled in place by `load_graph_inputs`)."""
+"""One packed forward: the rows a step computes (`StepRows`) and the kernels' metadata (`ForwardBatch`), built
+by one function (`build_forward_batch`) in fresh tensors or in a captured graph's static ones (`GraphInputs`).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..kernels import triton_runs_on
 from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
-    from .shared_decode import DecodeShare
+    from .prefix_groups import DecodeShare
 
 
 @dataclass
@@ -23,24 +24,26 @@ class ForwardBatch:
     """A packed `(1, T)` forward over B requests; row i computes positions `prefix_lens[i]:seq_lens[i]`.
 
     Built on the device from the page table (`build_forward_batch`); the `*_host` arrays let the backends
-    size launches without synchronizing.
+    size launches without synchronizing. It holds the slot list the backend reads: every row's whole
+    context (decode kernels, the torch reference) or its cached prefix (extend kernels); the other's
+    fields are None.
     """
 
     input_ids: torch.Tensor  # [T] new token ids
     positions: torch.Tensor  # [T]
     out_loc: torch.Tensor  # [T] slot of each new token
     qo_indptr: torch.Tensor  # [B+1] int32
-    prefix_lens: torch.Tensor  # [B] int32
-    seq_lens: torch.Tensor  # [B] int32
-    kv_indices: torch.Tensor  # slots of every row's whole context (prefix + new), rows concatenated
-    kv_indptr: torch.Tensor  # [B+1] int32
-    prefix_kv_indices: torch.Tensor  # slots of every row's cached prefix, rows concatenated
-    prefix_kv_indptr: torch.Tensor  # [B+1] int32
     logits_indices: torch.Tensor  # positions in the packed batch whose logits are needed
     qo_indptr_host: np.ndarray
     seq_lens_host: np.ndarray
     max_new_len: int
     max_kv_len: int
+    seq_lens: torch.Tensor | None = None  # [B] int32
+    kv_indices: torch.Tensor | None = None  # slots of every row's whole context (prefix + new), concatenated
+    kv_indptr: torch.Tensor | None = None  # [B+1] int32
+    prefix_lens: torch.Tensor | None = None  # [B] int32
+    prefix_kv_indices: torch.Tensor | None = None  # slots of every row's cached prefix, rows concatenated
+    prefix_kv_indptr: torch.Tensor | None = None  # [B+1] int32
     shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (shared_decode)
 
     @property
@@ -191,71 +194,77 @@ def gather_contexts(
     return out.copy_(flat_slots.index_select(0, out))
 
 
-SLOT_LISTS = ("both", "context", "prefix")
+def build_forward_batch(
+    table: PageTable, step: StepRows, context: bool, into: GraphInputs | None = None
+) -> ForwardBatch:
+    """The kernels' metadata of `step`, built on the device from the page table: in fresh tensors, or in a
+    captured graph's static buffers `into` (the step padded to the graph's shape), through the same steps.
 
-
-def build_forward_batch(table: PageTable, step: StepRows, slot_lists: str = "both") -> ForwardBatch:
-    """The kernels' metadata of `step`, built on the device from the page table.
-
-    `slot_lists` names the slot lists the kernels will read: every row's whole context (`kv_indices`,
-    decode), its cached prefix (`prefix_kv_indices`, extend) or both; one left out is empty.
+    `context`: the kernels read every row's whole-context slot list (`kv_indices`, `kv_indptr`, and the
+    sequence lengths), else its cached prefix's (`prefix_kv_indices`, `prefix_kv_indptr`, the prefix
+    lengths); the backend says which (`AttentionBackend.reads_context`), the other list's fields are None.
 
     The host sends O(tokens + rows) numbers in one staged copy (which also carries the page-table writes
-    made since the last one): the slot of each new token is read from the host table, the slot lists of
-    whole contexts and cached prefixes are gathered from the device table.
+    made since the last one; into `into`'s block, where given): the slot of each new token is read from the
+    host table, the slot list is gathered from the device table, the ids of `step.from_table` are read from
+    the device's `next_token`.
     """
-    if slot_lists not in SLOT_LISTS:
-        raise ValueError(f"slot_lists must be one of {SLOT_LISTS}, got {slot_lists!r}")
     rows, prefix, new = step.rows, step.prefix_lens, step.new_lens
     seq = prefix + new
-    qo_indptr, positions, token_rows, logits = _token_layout(step, bool((new == 1).all()))
-    kv_indptr, prefix_indptr = _indptr(seq), _indptr(prefix)
+    decode = into.decode if into is not None else bool((new == 1).all())  # a token a row (graphs: known)
+    qo_indptr, positions, token_rows, logits = _token_layout(step, decode)
+    lens = seq if context else prefix
+    indptr = _indptr(lens)
     from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
-    context_total = int(kv_indptr[-1]) if slot_lists != "prefix" else 0
-    prefix_total = int(prefix_indptr[-1]) if slot_lists != "context" else 0
-    row_bases = rows * table.width
-    context_bases = row_bases - kv_indptr[:-1] if context_total else _EMPTY
-    prefix_bases = row_bases - prefix_indptr[:-1] if prefix_total else _EMPTY
-    narrow_parts = [qo_indptr, prefix, seq, kv_indptr, prefix_indptr]  # int32 on the device
     every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
-    parts = [
-        _EMPTY if every_id_from_table else step.input_ids, positions, table.host[token_rows, positions],
-        logits, from_table, token_rows if every_id_from_table else token_rows[from_table], context_bases,
-        prefix_bases,
-    ]
-    uploaded = table.upload(parts, narrow_parts)  # one copy, with the page-table writes made since the last
-    input_ids, positions_d, out_loc, logits_d, table_pos, table_rows, context_d, prefix_d = uploaded[:8]
-    qo_d, prefix32, seq32, kv_indptr32, prefix_indptr32 = uploaded[8:]
+    # the ids read from the table are written below
+    token_parts = [_EMPTY if every_id_from_table else step.input_ids, positions,
+                   table.host[token_rows, positions], logits]
+    narrow = [qo_indptr, lens, indptr]  # int32 on the device
+    bases = rows * table.width - indptr[:-1]
+    parts = [bases, token_rows] if every_id_from_table else [bases, token_rows[from_table], from_table]
+    if into is None:  # one copy, with the page-table writes made since the last
+        uploaded = table.upload([*token_parts, *parts], narrow)
+        tokens, (bases_d, table_rows, *table_pos), narrow_d = uploaded[:4], uploaded[4:-3], uploaded[-3:]
+        input_ids, positions_d, out_loc, logits_d = tokens
+        qo_d, lens_d, indptr_d = narrow_d
+    else:
+        bases_d, table_rows, *table_pos = table.upload(
+            parts, into=into.block, into_parts=token_parts, into_narrow=narrow
+        )
+        input_ids, positions_d, out_loc, logits_d, qo_d, lens_d, indptr_d = into.block.views
     if every_id_from_table:
-        input_ids = table.next_token.index_select(0, table_rows)
+        if into is None:
+            input_ids = table.next_token.index_select(0, table_rows)
+        else:
+            torch.index_select(table.next_token, 0, table_rows, out=input_ids)
     elif len(from_table):
-        input_ids.index_copy_(0, table_pos, table.next_token.index_select(0, table_rows))
-    longest_context = int(seq.max(initial=0))
+        input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
+    longest = int(lens.max(initial=0))
+    kv = gather_contexts(table.flat_slots, bases_d, indptr_d, int(indptr[-1]), longest,
+                         out=None if into is None else into.kv)
+    if into is not None:
+        kv = into.kv  # the whole static list: what a captured graph reads, whatever its length now
+    lists = dict(seq_lens=lens_d, kv_indices=kv, kv_indptr=indptr_d) if context else dict(
+        prefix_lens=lens_d, prefix_kv_indices=kv, prefix_kv_indptr=indptr_d)
     return ForwardBatch(
         input_ids=input_ids,
         positions=positions_d,
         out_loc=out_loc,
         qo_indptr=qo_d,
-        prefix_lens=prefix32,
-        seq_lens=seq32,
-        kv_indices=gather_contexts(table.flat_slots, context_d, kv_indptr32, context_total, longest_context),
-        kv_indptr=kv_indptr32,
-        prefix_kv_indices=gather_contexts(
-            table.flat_slots, prefix_d, prefix_indptr32, prefix_total, int(prefix.max(initial=0))
-        ),
-        prefix_kv_indptr=prefix_indptr32,
         logits_indices=logits_d,
         qo_indptr_host=qo_indptr,
         seq_lens_host=seq,
-        max_new_len=int(new.max(initial=0)),
-        max_kv_len=longest_context,
+        max_new_len=min(len(rows), 1) if decode else int(new.max(initial=0)),
+        max_kv_len=longest if context else int(seq.max(initial=0)),
+        **lists,
     )
 
 
 class GraphInputs:
     """The static metadata one captured graph reads, at addresses fixed by its padded shape: a
     `StaticBlock` (each token's id, position and slot, the logits rows; the int32 row offsets, lengths and
-    slot-list offsets) and the static slot list `kv`.
+    slot-list offsets) and the static slot list `kv`, which `build_forward_batch(..., into=)` fills.
 
     `decode`: the kernels read every row's whole context (`lens` are sequence lengths); otherwise its
     cached prefix (`lens` are prefix lengths).
@@ -274,30 +283,3 @@ class GraphInputs:
     def layout(rows: int, tokens: int, logits: int) -> PackedLayout:
         """Where the block holds the metadata of `rows` rows (padding row included) and `tokens` tokens."""
         return PackedLayout([tokens, tokens, tokens, logits], [rows + 1, rows, rows + 1])
-
-
-def load_graph_inputs(table: PageTable, step: StepRows, inputs: GraphInputs) -> None:
-    """Writes the metadata of `step` (padded to the graph's shape) into a graph's static inputs.
-
-    What `build_forward_batch` sends lands in the static block from the same staged copy (no device
-    copies into the graph's buffers afterwards); the ids read from the table and the slot lists (whole
-    contexts or cached prefixes, per `inputs.decode`) are written into the static buffers by the gathers.
-    """
-    qo_indptr, positions, token_rows, logits = _token_layout(step, inputs.decode)  # decode: a token a row
-    lens = step.prefix_lens + step.new_lens if inputs.decode else step.prefix_lens
-    indptr = _indptr(lens)
-    from_table = _EMPTY if step.from_table is None else np.asarray(step.from_table, dtype=np.int64)
-    every_id_from_table = len(from_table) == len(step.input_ids)  # (increasing positions: all, in order)
-    input_ids = _EMPTY if every_id_from_table else step.input_ids  # (all read from the table below)
-    static_parts = [input_ids, positions, table.host[token_rows, positions], logits]
-    bases = step.rows * table.width - indptr[:-1]
-    parts = [bases, token_rows] if every_id_from_table else [bases, token_rows[from_table], from_table]
-    bases, table_rows, *table_pos = table.upload(
-        parts, into=inputs.block, into_parts=static_parts, into_narrow=[qo_indptr, lens, indptr]
-    )
-    if every_id_from_table:
-        torch.index_select(table.next_token, 0, table_rows, out=inputs.input_ids)
-    elif len(from_table):
-        inputs.input_ids.index_copy_(0, table_pos[0], table.next_token.index_select(0, table_rows))
-    gather_contexts(table.flat_slots, bases, inputs.kv_indptr, int(indptr[-1]), int(lens.max(initial=0)),
-                    out=inputs.kv)

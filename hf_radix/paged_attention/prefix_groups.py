@@ -121,10 +121,6 @@ class SharedPrefixPlan:
     def max_prefix_len(self) -> int:
         return int(self.group_prefix_len.max(initial=0))
 
-    @property
-    def max_suffix_len(self) -> int:
-        return int(self.row_suffix_len.max(initial=0))
-
 
 def _chunks(seg_starts: np.ndarray, seg_lens: np.ndarray, size: int) -> tuple[np.ndarray, ...]:
     """Splits segments into chunks of at most ``size``: (segment of each chunk, chunk start, chunk length)."""
@@ -368,3 +364,21 @@ class SharedPrefixBuffers:
         suffix[:, 0] = starts + suffix[:, 1]
         suffix[:, 2] = lens - suffix[:, 1]
         self.prefix_tiles[:, 0] = kv_indptr.index_select(0, self.prefix_tile_leader)
+
+
+@dataclass(frozen=True)
+class DecodeShare:
+    """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
+    the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph), the
+    launch order (the engine's `shared_prefix_mode`, one of `MODES`) and the engine's stream for the prefix
+    launches beside the suffix launch ("overlap")."""
+
+    buffers: SharedPrefixBuffers
+    rows: int
+    prefix_splits: int
+    mode: str = "fold"
+    side_stream: torch.cuda.Stream | None = None
+
+    def refresh(self, kv_indptr: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """This step's query positions and slot ranges, from the batch's device metadata (once a step)."""
+        self.buffers.refresh_decode(kv_indptr, seq_lens, self.rows)

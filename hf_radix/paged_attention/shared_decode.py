@@ -15,19 +15,24 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 from transformers.utils import logging
 
 from ..memory.page_table import PADDING_ROW
-from .prefix_groups import SharedPrefixBuffers, SharedPrefixCost, SharedPrefixPlan, build_shared_prefix_plan
+from .prefix_groups import (
+    DecodeShare,
+    SharedPrefixBuffers,
+    SharedPrefixCost,
+    SharedPrefixPlan,
+    build_shared_prefix_plan,
+)
 
 if TYPE_CHECKING:
-    from ..engine import RadixEngine
+    from ..forward.engine_view import ForwardEngine
     from ..memory.radix_tree import MatchHandle
-    from .forward_batch import ForwardBatch, StepRows
+    from .forward_batch import StepRows
 
 logger = logging.get_logger(__name__)
 
@@ -38,22 +43,6 @@ def most_prefix_splits(mode: str) -> int:
     """The most splits a prefix gets in launch order `mode` (and the programs a captured graph launches a
     prefix tile): one beside the suffix launch ("overlap"), else `MAX_PREFIX_SPLITS`."""
     return 1 if mode == "overlap" else MAX_PREFIX_SPLITS
-
-
-@dataclass(frozen=True)
-class DecodeShare:
-    """What the attention of one decode batch needs to read each group's prefix once: the loaded buffers,
-    the batch's (padded) row count and the prefix split count (python ints: fixed in a captured graph), and
-    the launch order (the engine's `shared_prefix_mode`: "fold", "overlap", "fused" or "merge")."""
-
-    buffers: SharedPrefixBuffers
-    rows: int
-    prefix_splits: int
-    mode: str = "fold"
-
-    def refresh(self, batch: ForwardBatch) -> None:
-        """This step's query positions and slot ranges, from the batch's device metadata (once a step)."""
-        self.buffers.refresh_decode(batch.kv_indptr, batch.seq_lens, self.rows)
 
 
 def tree_groups(handles: Sequence[MatchHandle | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -88,7 +77,7 @@ def prefix_splits(num_tiles: int, num_kv_heads: int, prefix_len: int, num_sms: i
     return 1 << (want.bit_length() - 1)
 
 
-def decode_cost(engine: RadixEngine) -> SharedPrefixCost | None:
+def decode_cost(engine: ForwardEngine) -> SharedPrefixCost | None:
     """The cost rule at the engine's attention shape; None where it reads no plain pool K/V (MLA)."""
     shape = engine.pool.shape
     heads = getattr(engine.model.config.get_text_config(decoder=True), "num_attention_heads", None)
@@ -109,13 +98,16 @@ class SharedPrefixDecode:
     programs; the other orders split it as `prefix_splits` says, up to `MAX_PREFIX_SPLITS`.
     """
 
-    def __init__(self, engine: RadixEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
+    def __init__(self, engine: ForwardEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
                  captured: bool = False):
         self.engine = engine
         self.cost = cost
         self.grow = grow
         self.captured = captured
         self.mode = engine.options.shared_prefix_mode
+        # the prefix launches beside the suffix launch ("overlap"): high priority, the longest programs first
+        overlap = self.mode == "overlap"
+        self.side_stream = engine.side_stream("shared_prefix", priority=-1) if overlap else None
         self.buffers = self._buffers(max_rows)
         self.steps = 0  # decode steps that read shared prefixes once per group
         self.plans = 0  # plans built (batch membership changes)
@@ -172,7 +164,7 @@ class SharedPrefixDecode:
     def _load(self, plan: SharedPrefixPlan, rows: int, splits: int) -> DecodeShare:
         self.buffers.load(plan, prefix_splits=splits)
         launched = self.graph_prefix_splits if self.captured else splits
-        return DecodeShare(self.buffers, rows, launched, self.mode)
+        return DecodeShare(self.buffers, rows, launched, self.mode, self.side_stream)
 
     @property
     def graph_prefix_splits(self) -> int:

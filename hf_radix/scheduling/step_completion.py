@@ -34,15 +34,6 @@ class LaunchedStep:
     decode: bool  # every item is a running request's decode token
 
 
-def copy_to_host(values: torch.Tensor) -> torch.Tensor:
-    """Starts copying `values` to the host (pinned memory on CUDA); read it after the step's event."""
-    if values.device.type != "cuda":
-        return values
-    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    return host
-
-
 class StepCompleter:
     """Reads completed steps into their requests, tells which requests finish, and releases requests."""
 
