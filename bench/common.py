@@ -255,8 +255,11 @@ def command_line() -> str:
 
 
 def git_commit() -> str:
-    """The commit the benchmark ran at (`-dirty` with uncommitted changes), from git, else from
-    $HF_RADIX_COMMIT (a copy of the tree without .git: `bench/run_gpu.sh` passes it on), else "unknown"."""
+    """The commit the benchmark ran at: $HF_RADIX_COMMIT where set (a copy of the tree whose .git, if any,
+    is not its own: `bench/run_gpu.sh` passes it on), else from git (`-dirty` with uncommitted changes),
+    else "unknown"."""
+    if os.environ.get("HF_RADIX_COMMIT", "unknown") != "unknown":
+        return os.environ["HF_RADIX_COMMIT"]
     root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -265,7 +268,7 @@ def git_commit() -> str:
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
         return commit + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("HF_RADIX_COMMIT", "unknown")
+        return "unknown"
 
 
 def provenance() -> dict[str, str]:
