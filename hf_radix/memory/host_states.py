@@ -7,24 +7,32 @@ a later snapshot gets the missing K/V and that snapshot copied back into the GPU
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
 from .radix_snapshots import SnapshotRadixCache, StateSlots
-from .radix_tree import IntegrityError, MatchHandle
+from .radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
 from .state_pool import StatePool, StatePoolError
 
-if TYPE_CHECKING:
-    from .host_tier import HostTier
-
 __all__ = ["HostSnapshots"]
+
+
+class SnapshotTier(Protocol):
+    """What the snapshot side reads and calls of its host tier (`host_tier.HostTier`)."""
+
+    tree: RadixPrefixCache
+    page_size: int
+    manager: Any
+    restored_tokens: int
+
+    def copy_pages(self, gpu_slots: np.ndarray, host_slots: np.ndarray, *, to_host: bool) -> None: ...
 
 
 class HostSnapshots:
     """The snapshot side of a `HostTier` whose manager has `state_slots`; replaces the tier's tree."""
 
-    def __init__(self, tier: HostTier, gpu: StateSlots, num_slots: int) -> None:
+    def __init__(self, tier: SnapshotTier, gpu: StateSlots, num_slots: int) -> None:
         if tier.tree.size_info.total_size:
             raise ValueError("attach a host tier to a manager with state layers while the tier is empty")
         self.tier, self.gpu = tier, gpu
@@ -65,7 +73,7 @@ class HostSnapshots:
                 ps = tier.page_size
                 pages = manager.take_pages(count // ps)
                 slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
-                tier._copy(slots, host_handle.matched_indices()[kv.cached_len :], to_host=False)
+                tier.copy_pages(slots, host_handle.matched_indices()[kv.cached_len :], to_host=False)
                 present, at = manager.tree.insert_prefix(
                     ids[:target], np.concatenate([kv.matched_indices(), slots])
                 )

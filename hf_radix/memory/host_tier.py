@@ -154,7 +154,7 @@ class HostTier:
             if count == 0:
                 return
             host = self._take(count // self.page_size)
-            self._copy(np.concatenate(values[::-1])[have : have + count], host, to_host=True)
+            self.copy_pages(np.concatenate(values[::-1])[have : have + count], host, to_host=True)
             self.tree.insert_prefix(ids[: have + count], np.concatenate([handle.matched_indices(), host]))
             self.stored_tokens += count
         finally:
@@ -217,7 +217,7 @@ class HostTier:
                 return handle
             pages = manager.take_pages(count // ps)
             slots = (pages[:, None] + np.arange(ps, dtype=np.int64)).reshape(-1)
-            self._copy(slots, host_handle.matched_indices()[gpu_len : gpu_len + count], to_host=False)
+            self.copy_pages(slots, host_handle.matched_indices()[gpu_len : gpu_len + count], to_host=False)
             present, longer = manager.tree.insert_prefix(
                 ids[: gpu_len + count], np.concatenate([handle.matched_indices(), slots])
             )
@@ -253,7 +253,7 @@ class HostTier:
         page_major = self._staging[1][:size].view(pages, layers, self.page_size, heads, dim)
         return layer_major, page_major
 
-    def _copy(self, gpu_slots: np.ndarray, host_slots: np.ndarray, *, to_host: bool) -> None:
+    def copy_pages(self, gpu_slots: np.ndarray, host_slots: np.ndarray, *, to_host: bool) -> None:
         """Copies whole pages between the pool and the host buffers (`to_host`: out), chunk by chunk
         through the staging buffers, on the side stream."""
         ps = self.page_size
