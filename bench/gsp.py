@@ -26,10 +26,10 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import build_llama, parser_for, timed, timer, write_result  # noqa: E402
+from compile_log import CompileLog  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
-from hf_radix.kernels.compile_log import CompileLog  # noqa: E402
 
 
 def make_prompts(

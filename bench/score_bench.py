@@ -23,10 +23,10 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import build_llama, parser_for, timed, write_result  # noqa: E402
+from compile_log import CompileLog  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner  # noqa: E402
-from hf_radix.kernels.compile_log import CompileLog  # noqa: E402
 
 FULL = dict(questions=512, choices=4, prefix_len=1500, question_len=100, choice_len=(5, 20), hf_batch_size=16)
 TINY = dict(questions=24, choices=4, prefix_len=300, question_len=40, choice_len=(2, 6), hf_batch_size=8)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _MODULES = ("store", "triton_decode", "triton_extend", "triton_norm_rope", "triton_sampling",
-            "triton_shared_prefix_kernels", "triton_attention_common")
+            "triton_shared_prefix_kernels", "triton_attention_common", "triton_slots")
 
 
 def _jit_kernels() -> dict[str, Any]:
@@ -25,7 +25,7 @@ def _jit_kernels() -> dict[str, Any]:
     kernels = {}
     for name in _MODULES:
         try:
-            module = importlib.import_module(f"{__package__}.{name}")
+            module = importlib.import_module(f"hf_radix.kernels.{name}")
         except ImportError:
             continue
         for attr, value in vars(module).items():
