@@ -57,14 +57,16 @@ class Scheduler:
         engine: RadixEngine,
         model_runner: ModelRunner,
         eos_token_ids: Sequence[int],
-        tokenizer=None,
-        max_running_requests: int = 256,
-        chunked_prefill_size: int = 8192,
-        schedule_policy: str = "lpm",
-        overlap: bool = True,
-        profile: bool = False,
-        cuda_graph: bool = True,
+        tokenizer,
+        *,
+        max_running_requests: int,
+        chunked_prefill_size: int,
+        schedule_policy: str,
+        overlap: bool,
+        profile: bool,
+        cuda_graph: bool,
     ):
+        """The options are `RadixBatchRunner`'s (their defaults and meaning are documented there)."""
         if schedule_policy not in POLICIES:
             raise ValueError(f"schedule_policy must be one of {POLICIES}, got {schedule_policy!r}")
         if max_running_requests < 1 or chunked_prefill_size < 1:

@@ -295,13 +295,14 @@ def _interp_kernel_matches_torch() -> dict[str, Any]:
 
 
 def _interp_kernel_kept_set_is_the_rule() -> dict[str, Any]:
-    from hf_radix.kernels.triton_sampling import sample_rows_and_floors
+    from hf_radix.kernels.triton_sampling import sample_rows
 
     report = {}
     for digit_bits, rows, vocab in ((4, 16, 96), (2, 6, 64)):
         case = rule_case(rows=rows, vocab=vocab, seed=3)
         x = case["logits"] * case["inv_temperature"][:, None]
-        _, floors = sample_rows_and_floors(**case, digit_bits=digit_bits, block=16, chunk=32, num_warps=1)
+        _, floors = sample_rows(**case, digit_bits=digit_bits, block=16, chunk=32, num_warps=1,
+                                with_floors=True)
         wrong, checked = kept_mismatches(x, _order_keys(x) >= floors[:, None], case)
         report[digit_bits] = {"wrong": wrong, "checked": checked, "rows": rows}
     return {"ok": all(not r["wrong"] and r["checked"] >= 0.6 * r["rows"] for r in report.values()), **report}

@@ -293,7 +293,8 @@ def sample_rows(
     block: int = 64,
     chunk: int = 2048,
     num_warps: int = 1,
-) -> torch.Tensor:
+    with_floors: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Next token `[B]` int64 of each row of `logits` `[B, vocab]`; advances sampled rows' `steps`.
 
     Per row: `inv_temperature` (0: greedy), `top_k` (>= vocab: off), `top_p` (1: off) `[B]`,
@@ -305,35 +306,16 @@ def sample_rows(
     The defaults (the fastest in `bench/sampling_bench.py`'s sweep on the H200): one warp a program,
     16,128 programs a launch at 256 rows of 128,256 columns; the searches' launches are latency-bound, so
     many small programs beat fewer wide ones.
+    `with_floors` also returns `[B]` int64: the order key of each row's least kept `x` (greedy: its
+    maximum).
     """
-    return sample_rows_and_floors(logits, inv_temperature, top_k, top_p, seed_keys, steps,
-                                  top_k_rows=top_k_rows, top_p_rows=top_p_rows, digit_bits=digit_bits,
-                                  block=block, chunk=chunk, num_warps=num_warps)[0]
-
-
-def sample_rows_and_floors(
-    logits: torch.Tensor,
-    inv_temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seed_keys: torch.Tensor,
-    steps: torch.Tensor,
-    *,
-    top_k_rows: bool = True,
-    top_p_rows: bool = True,
-    digit_bits: int,
-    block: int,
-    chunk: int,
-    num_warps: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_rows`, and `[B]` int64: the order key of each row's least kept `x` (greedy: its maximum)."""
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     rows, vocab = logits.shape
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     state = torch.empty(rows, _STATE_SLOTS.value, dtype=torch.int64, device=logits.device)
     if not rows:
-        return out, state[:, _FLOOR.value]
+        return (out, state[:, _FLOOR.value]) if with_floors else out
     if digit_bits not in (2, 4, 8):
         raise ValueError(f"digit_bits must be 2, 4 or 8, got {digit_bits}")
     block = min(block, triton.next_power_of_2(vocab))
@@ -369,4 +351,4 @@ def sample_rows_and_floors(
     )
     _pick_kernel[(rows,)](inv_temperature, steps, best_value, best_index, out, n_chunks,
                           CHUNKS=triton.next_power_of_2(n_chunks), enable_fp_fusion=FP_FUSION)
-    return out, state[:, _FLOOR.value]
+    return (out, state[:, _FLOOR.value]) if with_floors else out
