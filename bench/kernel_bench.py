@@ -145,7 +145,7 @@ def bench_decode(quick: bool) -> list[dict[str, Any]]:
         if not quick:
             variants += [(cfg, default_splits) for cfg in DECODE_SWEEP] + [(None, 2), (None, 4)]
         for cfg, splits in variants:
-            used = cfg or ta._decode_config(d, q.dtype, q.device)
+            used = cfg or ta.decode_config(d, q.dtype, q.device)
             point = _decode_point(f"decode p{page_size:<2} splits={splits:<2} {used}", q, pool, kv_indices,
                                   kv_indptr, kv_bytes, splits, cfg)
             results.append({"page_size": page_size, "splits": splits, "cfg": used,
@@ -177,7 +177,7 @@ def bench_decode_d256() -> list[dict[str, Any]]:
     for cfg in (None, {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}, {"BLOCK_N": 32, "num_warps": 4,
                 "num_stages": 3}, {"BLOCK_N": 64, "num_warps": 8, "num_stages": 2},
                 {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}):
-        used = cfg or ta._decode_config(256, case[0].dtype, case[0].device)
+        used = cfg or ta.decode_config(256, case[0].dtype, case[0].device)
         try:
             point = _decode_point(f"decode d256 B64x4096 splits={splits} {used}", *case, splits, cfg)
         except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory

@@ -36,7 +36,7 @@ from .stats import RadixStats
 
 logger = logging.get_logger(__name__)
 
-_ENGINE_ATTR = "_hf_radix_engine"
+ENGINE_ATTR = "_hf_radix_engine"
 
 
 class RadixEngine:
@@ -340,10 +340,10 @@ def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
     A model moved to another dtype or device, or with a changed config, gets a new engine the same way.
     """
     model = transformers_model(model)
-    engine: RadixEngine | None = getattr(model, _ENGINE_ATTR, None)
+    engine: RadixEngine | None = getattr(model, ENGINE_ATTR, None)
     if engine is None:
         engine = RadixEngine(model, EngineOptions(**options))
-        setattr(model, _ENGINE_ATTR, engine)
+        setattr(model, ENGINE_ATTR, engine)
         return engine
     requested = EngineOptions(**{**asdict(engine.options), **options}) if options else engine.options
     moved = engine.state.engine_change() if requested == engine.options else None
@@ -357,9 +357,9 @@ def get_engine(model: torch.nn.Module, **options) -> RadixEngine:
     logger.info("releasing the hf_radix KV pool of this model for a new one: %s", moved or requested)
     stats = engine.stats
     engine.close()
-    delattr(model, _ENGINE_ATTR)
+    delattr(model, ENGINE_ATTR)
     engine = RadixEngine(model, requested)
-    setattr(model, _ENGINE_ATTR, engine)
+    setattr(model, ENGINE_ATTR, engine)
     if moved is not None:  # the same model in another state: its statistics go on
         engine.stats = stats
         stats.invalidations += 1

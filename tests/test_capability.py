@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention
 import hf_radix
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
-from hf_radix.engine import _ENGINE_ATTR
+from hf_radix.engine import ENGINE_ATTR
 
 
 def test_error_is_exported_and_a_value_error():
@@ -36,7 +36,7 @@ def _refused(model, match: str) -> None:
     model.register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(UnsupportedModelError, match=match):
         hf_radix.configure(model, max_total_tokens=64, attn_backend="torch")
-    assert not calls and getattr(model, _ENGINE_ATTR, None) is None  # no forward, no pool
+    assert not calls and getattr(model, ENGINE_ATTR, None) is None  # no forward, no pool
 
 
 def test_unhandled_attention_argument_is_refused_naming_it():

@@ -19,7 +19,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 import hf_radix
-from hf_radix.engine import _ENGINE_ATTR
+from hf_radix.engine import ENGINE_ATTR
 from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
 from hf_radix.integrations import generate_session
 from hf_radix.tiny import tiny_model
@@ -136,7 +136,7 @@ def test_default_generate_never_builds_a_radix_cache(monkeypatch, gen):
     _generate(model, prompts, False, max_new_tokens=3, cache_implementation="dynamic")
     model.generation_config.cache_implementation = "radix"
     _generate(model, prompts, False, max_new_tokens=3, cache_implementation=None)  # an explicit None wins
-    assert getattr(model, _ENGINE_ATTR, None) is None
+    assert getattr(model, ENGINE_ATTR, None) is None
     assert "forward" not in vars(model)
 
 

@@ -22,7 +22,7 @@ from transformers.utils import logging
 
 from ..cache_utils import CACHE_IMPLEMENTATION
 from ..capability import check_inputs
-from ..engine import _ENGINE_ATTR, get_engine
+from ..engine import ENGINE_ATTR, get_engine
 from ..errors import OWN_CACHE_MESSAGE
 from ..scheduling.inputs import token_id_list
 from .generate_session import RadixGenerateCache
@@ -225,7 +225,7 @@ def maybe_radix_generate(original: Callable, model, args: tuple, kwargs: dict):
     """
     for name in ("past_key_values", "cache"):
         past = kwargs.get(name)
-        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, _ENGINE_ATTR, None)
+        ours = isinstance(past, RadixGenerateCache) and past.engine is getattr(model, ENGINE_ATTR, None)
         if ours and past.finished:
             kwargs = {key: value for key, value in kwargs.items() if key != name}
             kwargs["cache_implementation"] = CACHE_IMPLEMENTATION

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from .triton_attention_common import pick_num_kv_splits
-from .triton_decode import _decode_config, decode_attention
-from .triton_extend import _extend_config, extend_attention
+from .triton_decode import decode_attention, decode_config
+from .triton_extend import extend_attention, extend_config
 
 __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
 
@@ -36,7 +36,7 @@ __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel
 def kernel_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
     """Launch configs that would be used (for logging / benchmarks)."""
     return {
-        "extend": _extend_config(head_dim, dtype, device),
-        "decode": _decode_config(head_dim, dtype, device),
+        "extend": extend_config(head_dim, dtype, device),
+        "decode": decode_config(head_dim, dtype, device),
     }
 

@@ -96,7 +96,7 @@ def _decode_stage1_kernel(
                 DIRECT, HAS_SINKS)
 
 
-def _decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     if device.type != "cuda" or interpreting():
         return {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
     block_d = triton.next_power_of_2(head_dim)
@@ -150,7 +150,7 @@ def decode_attention(
         num_kv_splits = pick_num_kv_splits(batch, hkv * head_blocks, eff_len, _sm_count(q.device))
     num_kv_splits = max(1, int(num_kv_splits))
 
-    cfg = dict(config) if config is not None else _decode_config(d, q.dtype, q.device)
+    cfg = dict(config) if config is not None else decode_config(d, q.dtype, q.device)
     qk_scale, cap_scale, use_cap = _scales(scaling, softcap)
     block_d = triton.next_power_of_2(d)
     direct = num_kv_splits == 1

@@ -242,7 +242,7 @@ def _extend_configs(head_dim: int, dtype: torch.dtype, device: torch.device) -> 
             {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}]
 
 
-def _extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+def extend_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> dict[str, int]:
     """The config of the longest rows' class (for logging / benchmarks)."""
     return _extend_configs(head_dim, dtype, device)[-1]
 

@@ -54,7 +54,7 @@ from .triton_attention_common import (
     _sinks_log2,
     _window,
 )
-from .triton_decode import _decode_config
+from .triton_decode import decode_config
 from .triton_shared_prefix_kernels import _shared_prefix_fused_kernel, _shared_prefix_tile_kernel
 
 __all__ = ["MODES", "shared_prefix_attention", "tile_config"]
@@ -77,7 +77,7 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     """Launch config of the tile kernel for ``block_m`` (query, head) rows per program.
 
     Narrow tiles (one row's query heads: decode suffix tiles, ``block_m`` 16) are bandwidth-bound like the
-    per-row decode kernel's programs, of the same shape, and take its config (``_decode_config``; on sm_90
+    per-row decode kernel's programs, of the same shape, and take its config (``decode_config``; on sm_90
     BLOCK_N 64, 4 warps, 3 stages: 98% of HBM bandwidth in its sweep), as off CUDA. Wide tiles (a group's
     queries, 128 rows) are tensor-core tiles like the extend kernel's BLOCK_M 128 tiles: BLOCK_N 64 with 8
     warps (a 128x128 fp32 accumulator is 64 registers a thread) and 3 stages (64 KB of shared memory at
@@ -88,7 +88,7 @@ def tile_config(block_m: int, head_dim: int, dtype: torch.dtype, device: torch.d
     of a prefix; in the gsp-8x32 layer's sweep 109.9 us against 113.2 us for BLOCK_N 64 in 3 stages).
     """
     if block_m < 128 or device.type != "cuda" or interpreting():
-        return _decode_config(head_dim, dtype, device)
+        return decode_config(head_dim, dtype, device)
     if dtype == torch.float32:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     if triton.next_power_of_2(head_dim) <= 128:
