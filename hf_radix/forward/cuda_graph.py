@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import gc
 import time
 from collections.abc import Sequence
 
@@ -178,11 +179,18 @@ class _CapturedForwards(abc.ABC):
                     self._forward(batch)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            collecting = gc.isenabled()
+            # Neither a garbage collection (finalizers releasing CUDA or pinned memory) nor another thread's
+            # CUDA call may invalidate the capture: collection waits until it ends.
+            gc.disable()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     logits = self._forward(batch)
             except RuntimeError as error:  # the eager runs above passed: only capturing fails
                 raise GraphCaptureError(str(error)) from error
+            finally:
+                if collecting:
+                    gc.enable()
         torch.cuda.current_stream().synchronize()
         logger.debug("%d norm/rope swaps in the captured forward", swaps)
         return graph, logits
