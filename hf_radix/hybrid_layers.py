@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import Cache
 
 __all__ = [
     "FAMILIES",
@@ -120,6 +121,13 @@ def _mixer(layer: nn.Module, attr: str) -> nn.Module | None:
     if mixer is None:
         return None
     return mixer if hasattr(mixer, "conv1d") or hasattr(mixer, "conv") else None
+
+
+def cache_state_api() -> bool:
+    """Whether this transformers' state layers read and write their states through the `Cache` methods
+    (`get_conv_state`, `update_recurrent_state`, ...) that hf_radix implements; older versions (5.17)
+    reach into their cache's layers instead."""
+    return hasattr(Cache, "get_conv_state")
 
 
 def state_mixers(model: nn.Module) -> dict[int, nn.Module]:

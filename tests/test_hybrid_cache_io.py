@@ -16,6 +16,8 @@ from hf_radix.memory.cache_manager import CacheManager
 from hf_radix.memory.host_tier import HostTier
 from hf_radix.memory.state_pool import StatePool
 
+pytestmark = pytest.mark.slow  # the memory layer's own logic: no transformers version changes it
+
 
 def _engine(page_size: int, tokens: int = 256, host_tokens: int | None = None, spec=SPEC, slots: int = 8):
     runner = RadixBatchRunner(fresh_model("llama"), attn_backend="torch", max_total_tokens=tokens,

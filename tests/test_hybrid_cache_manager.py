@@ -16,6 +16,8 @@ from hf_radix.memory.cache_manager import CacheManager, OutOfPagesError
 from hf_radix.memory.radix_tree import IntegrityError
 from hf_radix.memory.state_pool import StatePool, StatePoolError
 
+pytestmark = pytest.mark.slow  # the memory layer's own logic: no transformers version changes it
+
 SPEC = [StateLayerSpec(3, (StateKindSpec("conv", (2, 2), torch.float32),
                            StateKindSpec("recurrent", (2,), torch.float32)))]
 

@@ -19,6 +19,8 @@ from hf_radix.memory.host_tier import HostTier
 from hf_radix.memory.kv_pool import KVPool, KVShape
 from hf_radix.memory.state_pool import StatePool, StatePoolError
 
+pytestmark = pytest.mark.slow  # the memory layer's own logic: no transformers version changes it
+
 
 def fake_state(prefix: tuple[int, ...]) -> float:
     """A state value per prefix, exact in the float32 states of SPEC."""

@@ -16,6 +16,8 @@ from transformers import DynamicCache
 
 from hf_radix.hybrid_layers import state_mixers, tiny_hybrid_model
 
+pytestmark = pytest.mark.slow  # run once, on the newest transformers
+
 warnings.filterwarnings("ignore")
 ROWS, PROMPT, STEPS = 3, 7, 3
 # Bamba's mixer is not exact in this layout yet (5e-3): it is left to the integration to find why.

@@ -14,12 +14,18 @@ from hf_radix.hybrid_layers import (
     REFUSED_FAMILIES,
     StateKindSpec,
     StateLayerSpec,
+    cache_state_api,
     probe_state_specs,
     refusal_reason,
     state_specs,
     tiny_hybrid_model,
 )
 from hf_radix.memory.state_pool import StateBatch, StatePool, StatePoolError
+
+pytestmark = [
+    pytest.mark.slow,  # run once, on the newest transformers
+    pytest.mark.skipif(not cache_state_api(), reason="this transformers' state layers bypass the Cache API"),
+]
 
 warnings.filterwarnings("ignore")
 

@@ -15,6 +15,8 @@ from hf_radix.memory.radix_snapshots import SnapshotRadixCache
 from hf_radix.memory.radix_tree import IntegrityError, MatchHandle, RadixPrefixCache
 from hf_radix.memory.state_pool import StatePool
 
+pytestmark = pytest.mark.slow  # the memory layer's own logic: no transformers version changes it
+
 SPEC = [StateLayerSpec(0, (StateKindSpec("recurrent", (1,), torch.float64),))]
 NUM_PAGES = 24
 NUM_SLOTS = 8
