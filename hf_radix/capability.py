@@ -22,6 +22,7 @@ import torch
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
+from .hybrid_layers import FAMILIES, refusal_reason
 from .memory.kv_pool import KVShape
 
 logger = logging.get_logger(__name__)
@@ -38,6 +39,20 @@ REFUSED_ATTENTION_KWARGS = (
     "position_bias", "indices", "block_indices", "sinks", "cu_seq_lens_q", "cu_seq_lens_k",
 )
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: Layer types of the hybrid families hf_radix runs besides attention: state layers, and layers with
+#: neither K/V nor state (Nemotron-H's MLP / MoE blocks).
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe"})
+#: Hybrid families with a state layout hf_radix handles that are not wired into the engine yet.
+HYBRID_NOT_YET = {
+    "bamba": (
+        "Bamba's Mamba2 mixer is off by 5e-3 when the rows of a step are reshaped into a batch "
+        "(docs/hybrid.md, section 4; the cause is not found yet), so hybrid prefix caching refuses it"
+    ),
+    "mamba2": (
+        "a pure Mamba2 model has no attention layer; hf_radix's engine needs at least one (pure "
+        "state-space models are not wired yet)"
+    ),
+}
 MULTIMODAL_INPUTS = (
     "pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features",
     "input_values", "audio_values", "input_audio_embeds", "image_grid_thw", "video_grid_thw",
@@ -122,9 +137,33 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     if getattr(model.config, "is_encoder_decoder", False):
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
     _check_multimodal(model, refuse)
-    _check_recurrent(model, refuse)
-    attention = _attention_layers(model, refuse)
+    hybrid = _check_hybrid(model, refuse)
+    if not hybrid:
+        _check_recurrent(model, refuse)
+    attention = _attention_layers(model, refuse, hybrid)
     return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
+
+
+def hybrid_model_type(model: torch.nn.Module) -> str | None:
+    """The ``model_type`` of a hybrid / state-space family (``hybrid_layers.FAMILIES``), else None."""
+    mtype = getattr(model.config.get_text_config(decoder=True), "model_type", None)
+    return mtype if mtype in FAMILIES or refusal_reason(mtype or "") else None
+
+
+def _check_hybrid(model: torch.nn.Module, refuse) -> bool:
+    """True for a hybrid family hf_radix runs (state layers in a ``StatePool``); refuses the others with
+    the specific reason (docs/hybrid.md)."""
+    mtype = hybrid_model_type(model)
+    if mtype is None:
+        return False
+    reason = refusal_reason(mtype) or HYBRID_NOT_YET.get(mtype)
+    if reason is not None:
+        raise refuse(reason)
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES})
+    if other:
+        raise refuse(f"it has {', '.join(other)} layers, which hf_radix's hybrid support does not know")
+    return True
 
 
 def _check_recurrent(model: torch.nn.Module, refuse) -> None:
@@ -143,8 +182,9 @@ def _check_recurrent(model: torch.nn.Module, refuse) -> None:
         raise refuse(f"it has {', '.join(other)} layers; hf_radix runs full and sliding-window attention")
 
 
-def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
-    """The attention modules, one per decoder layer, each calling the interface with handled arguments."""
+def _attention_layers(model: torch.nn.Module, refuse, hybrid: bool = False) -> list[torch.nn.Module]:
+    """The attention modules, one per decoder layer (one per attention layer of a hybrid model, numbered by
+    their decoder layer), each calling the interface with handled arguments."""
     attention = [m for m in model.modules() if _attention_call_keywords(type(m)) is not None]
     ids = {id(m) for m in attention}
     for module in model.modules():
@@ -167,9 +207,15 @@ def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
     layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
     if not attention:
         raise refuse(_no_interface_reason(model))
+    indices = sorted(getattr(m, "layer_idx", -1) for m in attention)
+    if hybrid:  # the pool keeps a K/V layer per decoder layer; state layers leave theirs unused
+        beyond = layers is not None and indices[-1] >= layers
+        if len(set(indices)) != len(indices) or indices[0] < 0 or beyond:
+            raise refuse("its attention layers are not numbered by distinct decoder layers (layer_idx)")
+        return attention
     if layers is not None and len(attention) != layers:
         raise refuse(f"{len(attention)} of its {layers} layers are attention layers (a hybrid model)")
-    if sorted(getattr(m, "layer_idx", -1) for m in attention) != list(range(len(attention))):
+    if indices != list(range(len(attention))):
         raise refuse("its attention layers are not numbered 0..N-1 (layer_idx)")
     return attention
 

@@ -12,12 +12,14 @@ from transformers.utils import logging
 
 from .attention import make_backend, register
 from .cache_utils import RadixCache
-from .capability import check_model, install_attention_guard
+from .capability import check_model, hybrid_model_type, install_attention_guard
 from .errors import TrainingModeError
 from .forward.forward_context import attention_configs, radix_attention, radix_forward
 from .forward.fused_ops import fused_norm_and_rope
+from .forward.hybrid import install_row_hooks
 from .forward.model_runner import ModelRunner, graph_memory_bytes
 from .forward.tensor_parallel import local_kv_shape, sync_tokens, tp_group
+from .hybrid_layers import StateLayerSpec, state_specs
 from .memory.cache_manager import CacheManager
 from .memory.host_tier import HostTier, host_tier_tokens
 from .memory.kv_pool import KVPool
@@ -29,12 +31,18 @@ from .memory.placement import (
     pool_devices,
     require_one_device,
 )
+from .memory.state_pool import StatePool
 from .model_state import ModelState
 from .options import EngineOptions
 from .paged_attention.forward_batch import ForwardBatch
 from .stats import RadixStats
 
 logger = logging.get_logger(__name__)
+
+# Hybrid models: the state pool's slots (running requests plus prefix snapshots) take this share of the
+# K/V budget, within these bounds (docs/hybrid.md).
+STATE_POOL_SHARE = 4  # one quarter
+MIN_STATE_SLOTS, MAX_STATE_SLOTS = 16, 1024
 
 _ENGINE_ATTR = "_hf_radix_engine"
 
@@ -60,6 +68,18 @@ class RadixEngine:
         # One extra page past the managed ones: padded rows of captured graphs write there.
         shape = local_kv_shape(model, support.kv_shape)
         self.backend = make_backend(self.options.attn_backend, device)
+        # hybrid models: per-request states of the state layers in a pool of slots, allocated before the
+        # K/V pool (a pool sized from free memory counts them); their forwards run eagerly
+        self.hybrid = hybrid_model_type(model) is not None
+        self.state_pool: StatePool | None = None
+        if self.hybrid:
+            if self.tp_group is not None or is_dispatched(model):
+                raise NotImplementedError(
+                    "hf_radix: hybrid models run on one device for now (no device map, no tensor parallel)"
+                )
+            specs = state_specs(model, dtype)
+            self.state_pool = StatePool(specs, self._state_slots(specs, shape, dtype, device), device)
+            install_row_hooks(model)
         self.graph_reserve = self._graph_reserve(shape, dtype, device)
         self.pool, num_pages = make_kv_pool(
             model, shape, dtype, device, page_size, self.options.max_total_tokens,
@@ -68,11 +88,14 @@ class RadixEngine:
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(
-            num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context
+            num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context,
+            state_pool=self.state_pool,
         )
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
+            if self.hybrid:
+                raise NotImplementedError("hf_radix: the host-memory tier is not wired for hybrid models yet")
         self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
         if self.host_tier is not None:
             self.host_tier.attach(self.manager)
@@ -99,6 +122,20 @@ class RadixEngine:
             stream = self._streams[name] = torch.cuda.Stream(self.device, priority=priority)
         return stream
 
+    def _state_slots(self, specs: list[StateLayerSpec], shape, dtype: torch.dtype, device: torch.device
+                     ) -> int:
+        """State slots of a hybrid model's pool: a quarter of the K/V budget (`max_total_tokens` tokens, or
+        `mem_fraction` of the free GPU memory; 4 GiB off GPU), between 16 and 1024 slots."""
+        per_slot = max(1, sum(s.nbytes for s in specs))
+        options = self.options
+        if options.max_total_tokens is not None:
+            budget = options.max_total_tokens * shape.bytes_per_token(dtype)
+        elif device.type == "cuda":
+            budget = int(torch.cuda.mem_get_info(device)[0] * options.mem_fraction)
+        else:
+            budget = 1 << 32
+        return int(min(MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, budget // STATE_POOL_SHARE // per_slot)))
+
     def _graph_reserve(self, shape, dtype: torch.dtype, device: torch.device) -> int:
         """Bytes a pool sized from free GPU memory leaves for the CUDA graphs this engine will capture.
 
@@ -109,6 +146,7 @@ class RadixEngine:
         options = self.options
         if (
             options.max_total_tokens is not None
+            or self.hybrid
             or not options.cuda_graph
             or device.type != "cuda"
             or self.backend.name != "triton"
@@ -148,9 +186,10 @@ class RadixEngine:
     def captures_graphs(self) -> bool:
         """Forwards can replay CUDA graphs: one CUDA device (no device map across GPUs, no tensor
         parallel), Triton attention, and K/V read from the pool (not MLA latents, whose layers re-read
-        every row's whole context)."""
+        every row's whole context); never for hybrid models (their forwards run eagerly for now)."""
         return (
-            self.single_device
+            not self.hybrid
+            and self.single_device
             and self.device.type == "cuda"
             and self.backend.name == "triton"
             and not self.pool.shape.latent
@@ -179,6 +218,8 @@ class RadixEngine:
         of the launches.
         """
         cache = RadixCache(self, batch)
+        if self.hybrid and batch.state_batch is None:
+            raise RuntimeError("a hybrid model's forward needs the rows' state slots (batch.state_batch)")
         fused = (
             self.options.fused_ops and self.single_device and self.device.type == "cuda"
             and self.backend.name == "triton"
@@ -194,6 +235,8 @@ class RadixEngine:
                 logits_to_keep=cache.batch_on(self.output_device).logits_indices,
                 **{self.cache_kwarg: cache},
             )
+            if batch.state_batch is not None:  # the states the layers read, updated or wrote in place
+                batch.state_batch.flush()
         return out.logits[0].to(self.device)  # a device map may end on another device
 
     def radix_attention(self) -> contextlib.AbstractContextManager:
