@@ -1,0 +1,118 @@
+"""Hybrid models end to end (issue 29): `RadixBatchRunner.run` greedy tokens and `loglikelihood` equal plain
+transformers on tiny fp32 models, with prefix-cache hits across calls (state snapshots on the tree), page
+sizes 1, 4 and 16, chunked prefill; the engine captures no graphs; radix `generate` falls back to plain
+generate; the families hf_radix cannot run exactly are refused with their reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hf_radix.engine
+from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
+from hf_radix.capability import check_model
+from hf_radix.engine import get_engine
+from hf_radix.hybrid_layers import tiny_hybrid_model
+
+warnings.filterwarnings("ignore")
+NEW = 5
+CORE = ["qwen3_5", "nemotron_h", "lfm2"]
+OTHERS = ["qwen3_next", "granitemoehybrid", "falcon_h1", "qwen3_5_moe", "lfm2_moe"]
+CASES = [(f, ps) for f in CORE for ps in (1, 4)] + [(f, 16) for f in CORE + OTHERS]
+
+
+def _hf_greedy(model, ids: list[int], new: int = NEW) -> list[int]:
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _hf_logprob(model, context: list[int], continuation: list[int]) -> float:
+    ids = torch.tensor([context + continuation])
+    with torch.inference_mode():
+        logp = model(input_ids=ids).logits[0, len(context) - 1 : -1].float().log_softmax(-1)
+    return float(logp.gather(-1, torch.tensor(continuation)[:, None]).sum())
+
+
+def _prompts(vocab: int, seed: int, shared_len: int = 21) -> tuple[list[int], list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (shared_len,), generator=gen).tolist()
+    return shared, [shared + torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (6, 11, 1)]
+
+
+def _run(runner, model, prompts):
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts]
+    runner.check_integrity()
+
+
+@pytest.mark.parametrize(("family", "page_size"), CASES)
+def test_runner_and_loglikelihood_equal_transformers_with_prefix_hits(family: str, page_size: int) -> None:
+    model = tiny_hybrid_model(family)
+    vocab = model.config.vocab_size
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
+    assert not runner.engine.captures_graphs and not runner.model_runner.has_graphs
+    shared, prompts = _prompts(vocab, seed=1)
+    _run(runner, model, prompts)  # prompts share a prefix: the later ones hit its snapshot
+    first = runner.stats.cached_tokens
+    assert first >= (len(shared) // page_size) * page_size * (len(prompts) - 1) > 0
+    # a second call: the same prompts (each hits its own last page boundary) and new ones on the prefix
+    _, others = _prompts(vocab, seed=2)
+    again = prompts[:2] + [shared + others[0][len(shared):]]
+    _run(runner, model, again)
+    assert runner.stats.cached_tokens - first >= sum((len(p) - 1) // page_size * page_size for p in again[:2])
+    pairs = [(prompts[0][:9], prompts[0][9:]), (prompts[1][:-3], prompts[1][-3:]), (shared[:1], [7, 9])]
+    scores = runner.loglikelihood(pairs)
+    for (logprob, _), (context, continuation) in zip(scores, pairs):
+        assert abs(logprob - _hf_logprob(model, context, continuation)) <= 1e-4
+    runner.check_integrity()
+
+
+@pytest.mark.parametrize("family", CORE)
+def test_chunked_prefill_without_overlap(family: str) -> None:
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=4, chunked_prefill_size=5,
+                              overlap=False, max_running_requests=2)
+    _, prompts = _prompts(model.config.vocab_size, seed=3)
+    _run(runner, model, prompts + [prompts[0][:17]])
+    _run(runner, model, prompts[1:])
+    assert runner.stats.cached_tokens > 0
+
+
+def test_few_state_slots_make_requests_wait_not_fail(monkeypatch) -> None:
+    """A pool of 6 state slots and 20 requests: admission waits for slots; snapshots are evicted."""
+    monkeypatch.setattr(hf_radix.engine, "MAX_STATE_SLOTS", 6)
+    model = tiny_hybrid_model("lfm2")
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    assert runner.engine.state_pool.num_slots == 6
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (20,))]
+    _run(runner, model, prompts)
+    _run(runner, model, prompts[::3])
+
+
+def test_radix_generate_falls_back_to_plain_generate() -> None:
+    model = tiny_hybrid_model("qwen3_5")
+    ids = torch.tensor([[5, 9, 11, 3, 7, 20, 31]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    want = model.generate(ids, **kwargs)
+    got = model.generate(ids, cache_implementation="radix", **kwargs)
+    assert torch.equal(got, want)
+    assert get_engine(model).hybrid
+
+
+@pytest.mark.parametrize(
+    ("family", "words"),
+    [("bamba", "5e-3"), ("mamba2", "no attention layer"), ("jamba", "Mamba1"), ("mamba", "Mamba1"),
+     ("falcon_mamba", "Mamba1"), ("minimax", "MiniMaxCache"), ("recurrent_gemma", "RG-LRU")],
+)
+def test_families_not_exact_are_refused_with_their_reason(family: str, words: str) -> None:
+    with pytest.raises(UnsupportedModelError) as info:
+        check_model(tiny_hybrid_model(family))
+    assert words in info.value.reason
