@@ -44,10 +44,6 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe"})
 #: Hybrid families with a state layout hf_radix handles that are not wired into the engine yet.
 HYBRID_NOT_YET = {
-    "bamba": (
-        "Bamba's Mamba2 mixer is off by 5e-3 when the rows of a step are reshaped into a batch "
-        "(docs/hybrid.md, section 4; the cause is not found yet), so hybrid prefix caching refuses it"
-    ),
     "mamba2": (
         "a pure Mamba2 model has no attention layer; hf_radix's engine needs at least one (pure "
         "state-space models are not wired yet)"
