@@ -124,10 +124,13 @@ class RadixEngine:
 
     def _state_slots(self, specs: list[StateLayerSpec], shape, dtype: torch.dtype, device: torch.device
                      ) -> int:
-        """State slots of a hybrid model's pool: a quarter of the K/V budget (`max_total_tokens` tokens, or
-        `mem_fraction` of the free GPU memory; 4 GiB off GPU), between 16 and 1024 slots."""
+        """State slots of a hybrid model's pool: the `state_slots` option, else a quarter of the K/V budget
+        (`max_total_tokens` tokens, or `mem_fraction` of the free GPU memory; 4 GiB off GPU) over the bytes
+        of a slot, between 16 and 1024."""
         per_slot = max(1, sum(s.nbytes for s in specs))
         options = self.options
+        if options.state_slots is not None:
+            return options.state_slots
         if options.max_total_tokens is not None:
             budget = options.max_total_tokens * shape.bytes_per_token(dtype)
         elif device.type == "cuda":
@@ -220,9 +223,9 @@ class RadixEngine:
         cache = RadixCache(self, batch)
         if self.hybrid and batch.state_batch is None:
             raise RuntimeError("a hybrid model's forward needs the rows' state slots (batch.state_batch)")
-        fused = (
+        fused = (  # not for hybrid models yet: their norms are not all Llama-style (untested on GPU)
             self.options.fused_ops and self.single_device and self.device.type == "cuda"
-            and self.backend.name == "triton"
+            and self.backend.name == "triton" and not self.hybrid
         )
         with (
             self.radix_attention(), radix_forward(cache), torch.inference_mode(),

@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 
-import hf_radix.engine
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
 from hf_radix.engine import get_engine
@@ -57,6 +56,7 @@ def test_runner_and_loglikelihood_equal_transformers_with_prefix_hits(family: st
     vocab = model.config.vocab_size
     runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
     assert not runner.engine.captures_graphs and not runner.model_runner.has_graphs
+    assert runner.model_runner.warm_up() == {}  # nothing to capture; a padding row has no state slot
     shared, prompts = _prompts(vocab, seed=1)
     _run(runner, model, prompts)  # prompts share a prefix: the later ones hit its snapshot
     first = runner.stats.cached_tokens
@@ -84,11 +84,10 @@ def test_chunked_prefill_without_overlap(family: str) -> None:
     assert runner.stats.cached_tokens > 0
 
 
-def test_few_state_slots_make_requests_wait_not_fail(monkeypatch) -> None:
+def test_few_state_slots_make_requests_wait_not_fail() -> None:
     """A pool of 6 state slots and 20 requests: admission waits for slots; snapshots are evicted."""
-    monkeypatch.setattr(hf_radix.engine, "MAX_STATE_SLOTS", 6)
     model = tiny_hybrid_model("lfm2")
-    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1, state_slots=6)
     assert runner.engine.state_pool.num_slots == 6
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (20,))]

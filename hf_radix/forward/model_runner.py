@@ -237,8 +237,11 @@ class ModelRunner:
         """Captures every graph shape and compiles the eager kernels now; returns the seconds each took.
 
         Runs on the page table's padding row only (every position the scratch slot), so it touches no
-        cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures.
+        cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures. Nothing for a
+        hybrid model (no graphs; a padding row has no state slot).
         """
+        if self.engine.manager.state_slots is not None:
+            return {}
         if self.warm_up_times:
             self._capture_all()
             return dict(self.warm_up_times)
