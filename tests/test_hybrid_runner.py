@@ -115,3 +115,35 @@ def test_families_not_exact_are_refused_with_their_reason(family: str, words: st
     with pytest.raises(UnsupportedModelError) as info:
         check_model(tiny_hybrid_model(family))
     assert words in info.value.reason
+
+
+@pytest.mark.parametrize("family", CORE)
+def test_follow_up_turn_hits_the_previous_prompt_and_answer(family: str) -> None:
+    """At release a row's state is kept as the snapshot at the end of prompt + answer (its forwards ended
+    there, a page multiple): the next turn, which starts with them, hits all of it."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    _, prompts = _prompts(model.config.vocab_size, seed=5)
+    outs = runner.run(prompts[:2], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    turns = [p + o.token_ids + [4, 5, 6] for p, o in zip(prompts, outs)]
+    before = runner.stats.cached_tokens
+    _run(runner, model, turns)
+    assert runner.stats.cached_tokens - before == sum(len(p) + NEW - 1 for p in prompts[:2])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool) -> None:
+    """Requests stopping early (a stop token; with overlap a step past the stop is computed and dropped)
+    leave a consistent cache: a second call is exact and the integrity check holds."""
+    model = tiny_hybrid_model("nemotron_h")
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1, overlap=overlap)
+    _, prompts = _prompts(model.config.vocab_size, seed=6)
+    full = [_hf_greedy(model, p, 8) for p in prompts]
+    stops = [f[2] for f in full]
+    for _ in range(2):
+        outs = runner.run(prompts, [SamplingParams(max_new_tokens=8, stop_token_ids=[s], ignore_eos=True)
+                                    for s in stops])
+        assert [o.token_ids for o in outs] == [f[: f.index(s) + 1] for f, s in zip(full, stops)]
+        runner.check_integrity()
+        turns = [p + o.token_ids + [4, 5] for p, o in zip(prompts, outs)]
+        _run(runner, model, turns)
