@@ -8,7 +8,7 @@ overlap on and off (greedy and seeded sampling). Requests live in `RequestQueues
 and prefill planning are `scheduling.admission`'s, reading results and releasing `StepCompleter`'s.
 
 Hybrid models (state layers) need every row of a forward to add the same number of tokens
-(docs/hybrid.md): their steps are either one prefill chunk of one request or every running request's
+(docs/hybrid.md): their steps are either prefill chunks of one length or every running request's
 decode token, never mixed; a prefill chunk that ends at a snapshot point saves the row's state on the tree.
 """
 
@@ -149,10 +149,10 @@ class Scheduler:
     def _schedule(self) -> StepItems:
         """One step: every running request's next token, then prefill chunks under the token budget."""
         running = self._running()
-        if self.hybrid:  # a step of one prefill chunk, else a decode step
+        if self.hybrid:  # a step of prefill chunks of one length, else a decode step
             prefill = RunningRows([])
             items = prefill.items()
-            self.planner.plan(items, one_row=True)
+            self.planner.plan(items, uniform=True)
             if items.prefill or not running.reqs:
                 self._step_running = prefill
                 return items

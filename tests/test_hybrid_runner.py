@@ -147,3 +147,15 @@ def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool) -> None:
         runner.check_integrity()
         turns = [p + o.token_ids + [4, 5] for p, o in zip(prompts, outs)]
         _run(runner, model, turns)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_prefill_chunks_of_one_length_share_a_forward(family: str) -> None:
+    """Prompts of one length (no shared prefix) prefill together: two forwards (up to the snapshot point
+    before the last token, then the last token), then one forward per decode step."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 96, (9,), generator=gen).tolist() for _ in range(4)]
+    _run(runner, model, prompts)
+    assert runner.stats.forward_calls == 2 + NEW - 1

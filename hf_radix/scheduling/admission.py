@@ -5,8 +5,8 @@ fills a step's token budget after the decode tokens: first the next chunks of th
 then waiting requests admitted in queue order while the KV pool has room for all that admitted requests
 may still allocate (a prompt waits a step for a batch-mate that computes its prefix meanwhile).
 
-Hybrid models (state layers; docs/hybrid.md) run every prefill chunk as a step of its own, one row
-(`plan(..., one_row=True)`), admit a request only with a free state slot, and end chunks at the
+Hybrid models (state layers; docs/hybrid.md) run prefill steps apart from decode steps, with chunks of
+one length (`plan(..., uniform=True)`), admit a request only with a free state slot, and end chunks at the
 request's snapshot points (`snapshot_points`): the branch point of prompts sharing a prefix and the
 last page boundary before the match end, where the scheduler saves the row's state on the tree.
 """
@@ -102,22 +102,26 @@ class PrefillPlanner:
         self.max_running_requests = max_running_requests
         self.snapshot_points: dict[int, tuple[int, ...]] = {}  # hybrid models: per request index
 
-    def plan(self, items: StepItems, one_row: bool = False) -> None:
+    def plan(self, items: StepItems, uniform: bool = False) -> None:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
-        both, and room is kept for what admitted requests will still decode. `one_row`: one chunk at most
-        (hybrid models)."""
+        both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
+        every chunk has the length of the first one (rows of one forward add the same number of tokens);
+        a request admitted with another length prefills in a later step."""
         queues, manager = self.queues, self.manager
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
             return
         reserved = self._reserved_tokens([*queues.running, *queues.prefilling])
         in_batch = RadixPrefixCache(page_size=1)
+        width = None  # uniform: the step's chunk length
         for req in queues.prefilling:
             if budget <= 0:
                 break
-            budget -= self._add_chunk(items, in_batch, req, budget)
-            if one_row:
-                return
+            start = req.computed_len
+            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+                continue
+            width = self._add_chunk(items, in_batch, req, budget)
+            budget -= width
         deferred: list[Req] = []
         ps = manager.page_size
         states = manager.state_slots
@@ -125,9 +129,13 @@ class PrefillPlanner:
             req = queues.waiting[0]
             handle = manager.match(req.match_ids)
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
-            if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
+            # (hybrid: any page, since the batch-mate's chunk ends at its branch point, snapshotted)
+            if shared - handle.cached_len >= max(1 if uniform else MIN_SHARED_TO_DEFER, ps):
                 deferred.append(queues.waiting.popleft())  # a batch-mate computes this prefix this step
                 continue
+            start = handle.cached_len
+            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+                break
             need = manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > manager.available_size:
                 break
@@ -139,10 +147,9 @@ class PrefillPlanner:
             queues.waiting.popleft()
             queues.admit(req, manager.open_row(handle), handle.cached_len, handle.restored_len)
             self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
-            budget -= self._add_chunk(items, in_batch, req, budget)
+            width = self._add_chunk(items, in_batch, req, budget)
+            budget -= width
             reserved += need
-            if one_row:
-                break
         queues.waiting.extendleft(reversed(deferred))
 
     def _reserved_tokens(self, reqs: Iterable[Req]) -> int:
@@ -151,12 +158,16 @@ class PrefillPlanner:
         ps = manager.page_size
         return sum(manager.pages_for(manager.row_len(r.row), r.final_len) * ps for r in reqs)
 
+    def _chunk_end(self, req: Req, start: int, budget: int) -> int:
+        """Where `req`'s chunk from `start` ends: at most `budget` tokens, at its next snapshot point."""
+        end = min(req.prompt_len, start + budget)
+        return next((p for p in self.snapshot_points.get(req.index, ()) if start < p < end), end)
+
     def _add_chunk(self, items: StepItems, in_batch: RadixPrefixCache, req: Req, budget: int) -> int:
         """Adds `req`'s next chunk (at most `budget` tokens, ending at its next snapshot point), noted in
         the step's prefix tree; its size."""
         start = req.computed_len
-        end = min(req.prompt_len, start + budget)
-        end = next((p for p in self.snapshot_points.get(req.index, ()) if start < p < end), end)
+        end = self._chunk_end(req, start, budget)
         items.prefill.append((req, start, end))
         offset = in_batch.size_info.total_size
         in_batch.insert_prefix(req.ids[:end], np.arange(offset, offset + end, dtype=np.int64))
