@@ -159,3 +159,19 @@ def test_prefill_chunks_of_one_length_share_a_forward(family: str) -> None:
     prompts = [torch.randint(3, 96, (9,), generator=gen).tolist() for _ in range(4)]
     _run(runner, model, prompts)
     assert runner.stats.forward_calls == 2 + NEW - 1
+
+
+def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:
+    """`save_cache` / `load_cache` carry the state snapshots: after a reset and a load, the same prompts
+    hit their snapshots and stay exact."""
+    model = tiny_hybrid_model("lfm2")
+    runner = RadixBatchRunner(model, max_total_tokens=512, page_size=1)
+    _, prompts = _prompts(model.config.vocab_size, seed=8)
+    _run(runner, model, prompts)
+    runner.save_cache(tmp_path / "cache")
+    runner.engine.reset_cache()
+    assert runner.load_cache(tmp_path / "cache")["snapshots"] > 0
+    runner.check_integrity()
+    before = runner.stats.cached_tokens
+    _run(runner, model, prompts)
+    assert runner.stats.cached_tokens - before == sum(len(p) - 1 for p in prompts)
