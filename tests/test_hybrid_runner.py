@@ -175,3 +175,20 @@ def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:
     before = runner.stats.cached_tokens
     _run(runner, model, prompts)
     assert runner.stats.cached_tokens - before == sum(len(p) - 1 for p in prompts)
+
+
+@pytest.mark.parametrize("family", CORE + ["falcon_h1", "granitemoehybrid", "qwen3_next"])
+def test_a_fresh_row_and_a_restored_row_prefill_together(family: str) -> None:
+    """A prompt continuing from a snapshot (chunk 16..24) and a fresh one (chunk 0..8) share a prefill
+    forward: the fresh row reads its zeroed slot as a state; both equal transformers."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(3, 96, (17,), generator=gen).tolist()
+    _run(runner, model, [base])  # snapshot after 16 tokens
+    calls = runner.stats.forward_calls
+    cached = runner.stats.cached_tokens
+    _run(runner, model, [base + torch.randint(3, 96, (8,), generator=gen).tolist(),
+                         torch.randint(3, 96, (9,), generator=gen).tolist()])
+    assert runner.stats.cached_tokens - cached == 16
+    assert runner.stats.forward_calls - calls == 2 + NEW - 1  # chunks 16..24 and 0..8 together, then 24, 8
