@@ -4,7 +4,8 @@ A model runs only if every attention layer goes through transformers' attention 
 (``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
 the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
 first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
-and hybrid models (a running state cannot be shared through a prefix cache), multimodal models (two
+and hybrid models other than the hybrid families hf_radix runs with a state pool (`_check_hybrid`,
+docs/hybrid.md: the others are refused with their reason), multimodal models (two
 different images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every
 radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
