@@ -258,6 +258,8 @@ class Scheduler:
         """
         decoding = len(running.reqs)
         running.advance()
+        if self.hybrid and decoding and self.manager.page_size > 1:
+            self._hold_page_ends(running)
         last: list[int] = []
         if decoding and running.steps_left <= 0:  # some request launched its last token
             self.queues.settle()
@@ -293,6 +295,17 @@ class Scheduler:
                 last.append(joined)
             joined += 1
         return last
+
+    def _hold_page_ends(self, running: RunningRows) -> None:
+        """A hybrid model's decode step that brought rows to a page multiple: each such row keeps a copy of
+        its state there (one held slot per row, overwritten at the next boundary), which its release
+        attaches as the snapshot at the end of its answer (`CacheManager.hold_snapshot`)."""
+        manager = self.manager
+        ends = running.starts  # positions computed once this step runs
+        for i in np.flatnonzero(ends % manager.page_size == 0).tolist():
+            if not manager.state_slots.available:
+                return
+            manager.hold_snapshot(running.reqs[i].row, int(ends[i]))
 
     def _snapshot(self, req: Req, end: int) -> None:
         """Saves the row's state after its first `end` prompt tokens (the forward just launched ended there)

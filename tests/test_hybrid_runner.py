@@ -117,26 +117,27 @@ def test_families_not_exact_are_refused_with_their_reason(family: str, words: st
     assert words in info.value.reason
 
 
-@pytest.mark.parametrize("family", CORE)
-def test_follow_up_turn_hits_the_previous_prompt_and_answer(family: str) -> None:
-    """At release a row's state is kept as the snapshot at the end of prompt + answer (its forwards ended
-    there, a page multiple): the next turn, which starts with them, hits all of it."""
+@pytest.mark.parametrize(("family", "page_size"), [(f, 1) for f in CORE] + [(f, 4) for f in CORE])
+def test_follow_up_turn_hits_the_previous_prompt_and_answer(family: str, page_size: int) -> None:
+    """At release a row's state is kept as the snapshot at the end of prompt + answer (page size 1), or
+    at the last page boundary its decode crossed: the next turn, which starts with them, hits it."""
     model = tiny_hybrid_model(family)
-    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
     _, prompts = _prompts(model.config.vocab_size, seed=5)
     outs = runner.run(prompts[:2], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     turns = [p + o.token_ids + [4, 5, 6] for p, o in zip(prompts, outs)]
     before = runner.stats.cached_tokens
     _run(runner, model, turns)
-    assert runner.stats.cached_tokens - before == sum(len(p) + NEW - 1 for p in prompts[:2])
+    want = sum((len(p) + NEW - 1) // page_size * page_size for p in prompts[:2])
+    assert runner.stats.cached_tokens - before == want
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool) -> None:
+@pytest.mark.parametrize(("overlap", "page_size"), [(True, 1), (False, 1), (True, 4), (False, 4)])
+def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool, page_size: int) -> None:
     """Requests stopping early (a stop token; with overlap a step past the stop is computed and dropped)
     leave a consistent cache: a second call is exact and the integrity check holds."""
     model = tiny_hybrid_model("nemotron_h")
-    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1, overlap=overlap)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size, overlap=overlap)
     _, prompts = _prompts(model.config.vocab_size, seed=6)
     full = [_hf_greedy(model, p, 8) for p in prompts]
     stops = [f[2] for f in full]
