@@ -8,6 +8,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .memory.placement import batch_to
+from .memory.state_pool import StateBatch, StateCacheMixin
 from .paged_attention.forward_batch import ForwardBatch
 from .paged_attention.latent import context_latents
 
@@ -15,11 +16,13 @@ if TYPE_CHECKING:
     from .forward.engine_view import ForwardEngine
 
 
-class RadixCache(Cache):
+class RadixCache(StateCacheMixin, Cache):
     """K/V router for one packed forward: `update` stores the new K/V at the batch's slots.
 
     It keeps no dense copy of K/V: the "radix" attention reads each request's pages from the
-    engine's pool through the batch metadata (`self.batch`).
+    engine's pool through the batch metadata (`self.batch`). For a hybrid model, the state layers' calls
+    (`get_conv_state`, `update_recurrent_state`, ...) go to the batch's `StateBatch` (the rows' state
+    slots; `StateCacheMixin`), flushed back into the slots by the engine after the forward.
     """
 
     is_compileable = False
@@ -29,6 +32,7 @@ class RadixCache(Cache):
         self.engine = engine
         self.batch = batch
         self._copies: dict[torch.device, tuple[ForwardBatch, ForwardBatch]] = {}  # device -> (batch, copy)
+        self.state_batch: StateBatch | None = None if batch is None else batch.state_batch
 
     def batch_on(self, device: torch.device) -> ForwardBatch:
         """The batch metadata on `device` (a layer's device under a device map), copied once per batch."""

@@ -4,7 +4,8 @@ A model runs only if every attention layer goes through transformers' attention 
 (``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
 the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
 first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
-and hybrid models (a running state cannot be shared through a prefix cache), multimodal models (two
+and hybrid models other than the hybrid families hf_radix runs with a state pool (`_check_hybrid`,
+docs/hybrid.md: the others are refused with their reason), multimodal models (two
 different images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every
 radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
@@ -19,9 +20,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import transformers
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
+from .hybrid_layers import FAMILIES, cache_state_api, refusal_reason
 from .memory.kv_pool import KVShape
 
 logger = logging.get_logger(__name__)
@@ -38,6 +41,16 @@ REFUSED_ATTENTION_KWARGS = (
     "position_bias", "indices", "block_indices", "sinks", "cu_seq_lens_q", "cu_seq_lens_k",
 )
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+#: Layer types of the hybrid families hf_radix runs besides attention: state layers, and layers with
+#: neither K/V nor state (Nemotron-H's MLP / MoE blocks).
+HYBRID_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "mamba", "mlp", "moe"})
+#: Hybrid families with a state layout hf_radix handles that are not wired into the engine yet.
+HYBRID_NOT_YET = {
+    "mamba2": (
+        "a pure Mamba2 model has no attention layer; hf_radix's engine needs at least one (pure "
+        "state-space models are not wired yet)"
+    ),
+}
 MULTIMODAL_INPUTS = (
     "pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features",
     "input_values", "audio_values", "input_audio_embeds", "image_grid_thw", "video_grid_thw",
@@ -122,9 +135,39 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     if getattr(model.config, "is_encoder_decoder", False):
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
     _check_multimodal(model, refuse)
-    _check_recurrent(model, refuse)
-    attention = _attention_layers(model, refuse)
+    hybrid = _check_hybrid(model, refuse)
+    if not hybrid:
+        _check_recurrent(model, refuse)
+    attention = _attention_layers(model, refuse, hybrid)
     return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
+
+
+def hybrid_model_type(model: torch.nn.Module) -> str | None:
+    """The ``model_type`` of a hybrid / state-space family (``hybrid_layers.FAMILIES``), else None."""
+    mtype = getattr(model.config.get_text_config(decoder=True), "model_type", None)
+    return mtype if mtype in FAMILIES or refusal_reason(mtype or "") else None
+
+
+def _check_hybrid(model: torch.nn.Module, refuse) -> bool:
+    """True for a hybrid family hf_radix runs (state layers in a ``StatePool``); refuses the others with
+    the specific reason (docs/hybrid.md)."""
+    mtype = hybrid_model_type(model)
+    if mtype is None:
+        return False
+    reason = refusal_reason(mtype) or HYBRID_NOT_YET.get(mtype)
+    if reason is not None:
+        raise refuse(reason)
+    if not cache_state_api():
+        raise refuse(
+            f"this transformers ({transformers.__version__}) has its state layers bypass the Cache methods "
+            "hf_radix's state pool implements (get_conv_state, update_recurrent_state, ...); hybrid models "
+            "need a transformers that has them (5.24 does)"
+        )
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+    other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES})
+    if other:
+        raise refuse(f"it has {', '.join(other)} layers, which hf_radix's hybrid support does not know")
+    return True
 
 
 def _check_recurrent(model: torch.nn.Module, refuse) -> None:
@@ -143,8 +186,9 @@ def _check_recurrent(model: torch.nn.Module, refuse) -> None:
         raise refuse(f"it has {', '.join(other)} layers; hf_radix runs full and sliding-window attention")
 
 
-def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
-    """The attention modules, one per decoder layer, each calling the interface with handled arguments."""
+def _attention_layers(model: torch.nn.Module, refuse, hybrid: bool = False) -> list[torch.nn.Module]:
+    """The attention modules, one per decoder layer (one per attention layer of a hybrid model, numbered by
+    their decoder layer), each calling the interface with handled arguments."""
     attention = [m for m in model.modules() if _attention_call_keywords(type(m)) is not None]
     ids = {id(m) for m in attention}
     for module in model.modules():
@@ -167,9 +211,15 @@ def _attention_layers(model: torch.nn.Module, refuse) -> list[torch.nn.Module]:
     layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
     if not attention:
         raise refuse(_no_interface_reason(model))
+    indices = sorted(getattr(m, "layer_idx", -1) for m in attention)
+    if hybrid:  # the pool keeps a K/V layer per decoder layer; state layers leave theirs unused
+        beyond = layers is not None and indices[-1] >= layers
+        if len(set(indices)) != len(indices) or indices[0] < 0 or beyond:
+            raise refuse("its attention layers are not numbered by distinct decoder layers (layer_idx)")
+        return attention
     if layers is not None and len(attention) != layers:
         raise refuse(f"{len(attention)} of its {layers} layers are attention layers (a hybrid model)")
-    if sorted(getattr(m, "layer_idx", -1) for m in attention) != list(range(len(attention))):
+    if indices != list(range(len(attention))):
         raise refuse("its attention layers are not numbered 0..N-1 (layer_idx)")
     return attention
 

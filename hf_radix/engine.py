@@ -12,10 +12,11 @@ from transformers.utils import logging
 
 from .attention import make_backend, register
 from .cache_utils import RadixCache
-from .capability import check_model, install_attention_guard
+from .capability import check_model, hybrid_model_type, install_attention_guard
 from .errors import TrainingModeError
 from .forward.forward_context import attention_configs, radix_attention, radix_forward
 from .forward.fused_ops import fused_norm_and_rope
+from .forward.hybrid import hybrid_state_pool
 from .forward.model_runner import ModelRunner, graph_memory_bytes
 from .forward.tensor_parallel import local_kv_shape, sync_tokens, tp_group
 from .memory.cache_manager import CacheManager
@@ -60,6 +61,12 @@ class RadixEngine:
         # One extra page past the managed ones: padded rows of captured graphs write there.
         shape = local_kv_shape(model, support.kv_shape)
         self.backend = make_backend(self.options.attn_backend, device)
+        # hybrid models: the state layers' per-request states, in a pool allocated before the K/V pool
+        self.hybrid = hybrid_model_type(model) is not None
+        self.state_pool = (
+            hybrid_state_pool(model, self.options, shape, dtype, device, self.tp_group is not None)
+            if self.hybrid else None
+        )
         self.graph_reserve = self._graph_reserve(shape, dtype, device)
         self.pool, num_pages = make_kv_pool(
             model, shape, dtype, device, page_size, self.options.max_total_tokens,
@@ -68,11 +75,14 @@ class RadixEngine:
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
         self.scratch_slot = num_pages * page_size
         self.manager = CacheManager(
-            num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context
+            num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context,
+            state_pool=self.state_pool,
         )
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
+            if self.hybrid:
+                raise NotImplementedError("hf_radix: the host-memory tier is not wired for hybrid models yet")
         self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
         if self.host_tier is not None:
             self.host_tier.attach(self.manager)
@@ -109,6 +119,7 @@ class RadixEngine:
         options = self.options
         if (
             options.max_total_tokens is not None
+            or self.hybrid
             or not options.cuda_graph
             or device.type != "cuda"
             or self.backend.name != "triton"
@@ -148,9 +159,10 @@ class RadixEngine:
     def captures_graphs(self) -> bool:
         """Forwards can replay CUDA graphs: one CUDA device (no device map across GPUs, no tensor
         parallel), Triton attention, and K/V read from the pool (not MLA latents, whose layers re-read
-        every row's whole context)."""
+        every row's whole context); never for hybrid models (their forwards run eagerly for now)."""
         return (
-            self.single_device
+            not self.hybrid
+            and self.single_device
             and self.device.type == "cuda"
             and self.backend.name == "triton"
             and not self.pool.shape.latent
@@ -179,9 +191,11 @@ class RadixEngine:
         of the launches.
         """
         cache = RadixCache(self, batch)
-        fused = (
+        if self.hybrid and batch.state_batch is None:
+            raise RuntimeError("a hybrid model's forward needs the rows' state slots (batch.state_batch)")
+        fused = (  # not for hybrid models yet: their norms are not all Llama-style (untested on GPU)
             self.options.fused_ops and self.single_device and self.device.type == "cuda"
-            and self.backend.name == "triton"
+            and self.backend.name == "triton" and not self.hybrid
         )
         with (
             self.radix_attention(), radix_forward(cache), torch.inference_mode(),
@@ -194,6 +208,8 @@ class RadixEngine:
                 logits_to_keep=cache.batch_on(self.output_device).logits_indices,
                 **{self.cache_kwarg: cache},
             )
+            if batch.state_batch is not None:  # the states the layers read, updated or wrote in place
+                batch.state_batch.flush()
         return out.logits[0].to(self.device)  # a device map may end on another device
 
     def radix_attention(self) -> contextlib.AbstractContextManager:

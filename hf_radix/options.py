@@ -54,12 +54,18 @@ class EngineOptions:
         None, "host-memory tier for evicted pages, in tokens (None or 0: off)"
     )
     host_cache_gb: float | None = _option(None, "or the host-memory tier's size in GB")
+    state_slots: int | None = _option(
+        None, "hybrid models: state slots for running requests and prefix snapshots (None: a quarter of the "
+        "K/V budget, 16 to 1024)"
+    )
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"page_size must be an integer >= 1, got {self.page_size!r}")
         if self.cuda_graph_max_batch < 1:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.state_slots is not None and self.state_slots < 1:
+            raise ValueError(f"state_slots must be >= 1 or None, got {self.state_slots}")
         if self.shared_prefix_mode not in MODES:
             raise ValueError(f"shared_prefix_mode must be one of {MODES}, got {self.shared_prefix_mode!r}")
 

@@ -6,6 +6,10 @@ schedules and launches step n+1 before it reads step n's sampled tokens: finish 
 and a request that stopped is computed once more and its extra token dropped. Outputs are the same with
 overlap on and off (greedy and seeded sampling). Requests live in `RequestQueues` by status; admission
 and prefill planning are `scheduling.admission`'s, reading results and releasing `StepCompleter`'s.
+
+Hybrid models (state layers) need every row of a forward to add the same number of tokens
+(docs/hybrid.md): their steps are either prefill chunks of one length or every running request's
+decode token, never mixed; a prefill chunk that ends at a snapshot point saves the row's state on the tree.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from transformers.utils import logging
 from .engine import RadixEngine
 from .forward.model_runner import ModelRunner
 from .paged_attention.forward_batch import StepRows
-from .scheduling.admission import PrefillPlanner, screen
+from .scheduling.admission import PrefillPlanner, screen, snapshot_points
 from .scheduling.request import Req, RequestStatus
 from .scheduling.request_queues import RequestQueues
 from .scheduling.running_rows import Item, RunningRows, StepItems
@@ -87,6 +91,8 @@ class Scheduler:
         )
         self.queues = RequestQueues()
         self.planner = PrefillPlanner(engine, self.queues, chunked_prefill_size, max_running_requests)
+        self.hybrid = engine.manager.state_slots is not None  # prefill and decode steps apart
+        self._step_running: RunningRows | None = None  # the decode rows of the step being scheduled
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._waited = 0.0  # seconds of this loop iteration spent waiting for the GPU
@@ -101,6 +107,8 @@ class Scheduler:
             ready, manager.gpu_cached_len, lambda: manager.evicted_tokens
         )
         self.queues.waiting = queue
+        if self.hybrid:
+            self.planner.snapshot_points = snapshot_points(ready, manager.page_size)
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self.completer.start(ready, bar)
@@ -142,8 +150,19 @@ class Scheduler:
 
     def _schedule(self) -> StepItems:
         """One step: every running request's next token, then prefill chunks under the token budget."""
-        items = self._running().items()
+        running = self._running()
+        if self.hybrid:  # a step of prefill chunks of one length, else a decode step
+            prefill = RunningRows([])
+            items = prefill.items()
+            self.planner.plan(items, uniform=True)
+            if items.prefill or not running.reqs:
+                self._step_running = prefill
+                return items
+            self._step_running = running
+            return running.items()
+        items = running.items()
         self.planner.plan(items)
+        self._step_running = running
         return items
 
     def _running(self) -> RunningRows:
@@ -177,7 +196,7 @@ class Scheduler:
 
     def _launch(self, items: StepItems) -> LaunchedStep:
         """Allocates, runs the forward and samples on the device; host state moves on without waiting."""
-        running = self._running()  # the first items (see `_schedule`)
+        running = self._step_running  # the first items (see `_schedule`)
         decoding = len(running.reqs)
         step = self._step_rows(items, running)
         self.manager.allocate(step.rows, step.prefix_lens + step.new_lens)
@@ -241,6 +260,8 @@ class Scheduler:
         """
         decoding = len(running.reqs)
         running.advance()
+        if self.hybrid and decoding and self.manager.page_size > 1:
+            self._hold_page_ends(running)
         last: list[int] = []
         if decoding and running.steps_left <= 0:  # some request launched its last token
             self.queues.settle()
@@ -260,6 +281,8 @@ class Scheduler:
         for req, _, end in prefill:
             req.computed_len = end
             self.manager.cache_req(req.row, req.ids, end, finished=False)
+            if end in self.planner.snapshot_points.get(req.index, ()):
+                self._snapshot(req, end)
             if req.extend_len:
                 continue
             if req.score_from is not None:  # cached now for later steps; released with its scores
@@ -274,6 +297,24 @@ class Scheduler:
                 last.append(joined)
             joined += 1
         return last
+
+    def _hold_page_ends(self, running: RunningRows) -> None:
+        """A hybrid model's decode step that brought rows to a page multiple: each such row keeps a copy of
+        its state there (one held slot per row, overwritten at the next boundary), which its release
+        attaches as the snapshot at the end of its answer (`CacheManager.hold_snapshot`)."""
+        manager = self.manager
+        ends = running.starts  # positions computed once this step runs
+        for i in np.flatnonzero(ends % manager.page_size == 0).tolist():
+            if not manager.state_slots.available:
+                return
+            manager.hold_snapshot(running.reqs[i].row, int(ends[i]))
+
+    def _snapshot(self, req: Req, end: int) -> None:
+        """Saves the row's state after its first `end` prompt tokens (the forward just launched ended there)
+        on the tree, where a state slot is free or evictable."""
+        manager = self.manager
+        if manager.row_cached_len(req.row) == end and manager.state_slots.available:
+            manager.snapshot_row(req.row)
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
         return self.model_runner.score(logits, np.concatenate(rows), np.concatenate(targets))

@@ -197,7 +197,8 @@ def architecture_table(results: dict[str, dict[str, Any]]) -> str:
         "duplicates, strict prefixes). *Refused*: `hf_radix.UnsupportedModelError` when the engine is "
         "created, before any forward, for the reason given. The check reads the installed transformers: "
         "a family whose attention bypasses the interface in another release is refused there (GPT-J in "
-        "transformers 5.17).",
+        "transformers 5.17). Hybrid families (Qwen3Next, FalconH1: state layers, docs/hybrid.md) run "
+        "the runner with the prefix cache; their radix `generate` runs plain generate for now.",
         "",
         "| family | model class | hf_radix | reason |",
         "| --- | --- | --- | --- |",

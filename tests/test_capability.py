@@ -131,3 +131,16 @@ def test_sub_configs_are_refused_as_multimodal_only_when_they_name_a_modality(mo
     _refused(model, r"multimodal \(vq_config\)")
     monkeypatch.setattr(config_class, "sub_configs", {"patcher_config": transformers.PretrainedConfig})
     _refused(model, r"made of several models \(patcher_config\)")
+
+
+def test_hybrid_model_is_refused_where_state_layers_bypass_the_cache_api(monkeypatch):
+    """On a transformers whose state layers reach into their cache's layers (5.17), the state pool would
+    never see them: refused before any forward."""
+    from hf_radix import capability
+    from hf_radix.hybrid_layers import FAMILIES, tiny_configs, tiny_hybrid_model
+
+    name = next((n for n in ("qwen3_5", "nemotron_h", "lfm2") if n in FAMILIES and n in tiny_configs()), None)
+    if name is None or not hasattr(transformers, tiny_configs()[name][1]):
+        pytest.skip("no hybrid family in this transformers")
+    monkeypatch.setattr(capability, "cache_state_api", lambda: False)
+    _refused(tiny_hybrid_model(name), "bypass the Cache methods")

@@ -36,6 +36,7 @@ from .cuda_graph import (
     static_buffer_bytes,
 )
 from .engine_view import ForwardEngine, eager_batch
+from .hybrid import state_batch
 
 logger = logging.get_logger(__name__)
 
@@ -156,6 +157,8 @@ class ModelRunner:
                 captured = None
         if captured is None:
             batch = eager_batch(self.engine, step)
+            if self.engine.manager.state_slots is not None:  # a hybrid model: the rows' state slots
+                batch.state_batch = state_batch(self.engine.manager, step)
             if self.eager_shared is not None and step.is_decode:
                 batch.shared_prefix = self.eager_shared.share(step)
                 if batch.shared_prefix is not None:
@@ -234,8 +237,11 @@ class ModelRunner:
         """Captures every graph shape and compiles the eager kernels now; returns the seconds each took.
 
         Runs on the page table's padding row only (every position the scratch slot), so it touches no
-        cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures.
+        cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures. Nothing for a
+        hybrid model (no graphs; a padding row has no state slot).
         """
+        if self.engine.manager.state_slots is not None:
+            return {}
         if self.warm_up_times:
             self._capture_all()
             return dict(self.warm_up_times)

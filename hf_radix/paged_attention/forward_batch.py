@@ -16,6 +16,7 @@ from ..kernels import triton_runs_on
 from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
+    from ..memory.state_pool import StateBatch
     from .prefix_groups import DecodeShare
 
 
@@ -45,6 +46,7 @@ class ForwardBatch:
     prefix_kv_indices: torch.Tensor | None = None  # slots of every row's cached prefix, rows concatenated
     prefix_kv_indptr: torch.Tensor | None = None  # [B+1] int32
     shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (shared_decode)
+    state_batch: StateBatch | None = None  # hybrid models: the rows' state slots (forward.hybrid)
 
     @property
     def batch_size(self) -> int:

@@ -4,6 +4,11 @@
 fills a step's token budget after the decode tokens: first the next chunks of the prefilling requests,
 then waiting requests admitted in queue order while the KV pool has room for all that admitted requests
 may still allocate (a prompt waits a step for a batch-mate that computes its prefix meanwhile).
+
+Hybrid models (state layers; docs/hybrid.md) run prefill steps apart from decode steps, with chunks of
+one length (`plan(..., uniform=True)`), admit a request only with a free state slot, and end chunks at the
+request's snapshot points (`snapshot_points`): the branch point of prompts sharing a prefix and the
+last page boundary before the match end, where the scheduler saves the row's state on the tree.
 """
 
 from __future__ import annotations
@@ -22,6 +27,36 @@ if TYPE_CHECKING:
     from ..engine import RadixEngine
 
 MIN_SHARED_TO_DEFER = 16  # a prompt waits for a batch-mate computing at least this much of its prefix
+
+
+def match_end(req: Req) -> int:
+    """Tokens a later match of `req`'s prompt can cover: its match ids but the last."""
+    return len(req.match_ids) - 1
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if len(differ) else n
+
+
+def snapshot_points(reqs: Iterable[Req], page_size: int) -> dict[int, tuple[int, ...]]:
+    """Per request index, the prompt lengths after which a hybrid model's scheduler snapshots the state
+    (page multiples > 0, increasing): where its prompt branches from another request's (the longest prefix
+    shared with any of `reqs`), and the last page boundary a later match of the same prompt reaches."""
+    reqs = list(reqs)
+    keys = [r.match_ids[: match_end(r)] for r in reqs]
+    order = sorted(range(len(reqs)), key=lambda i: keys[i].tobytes())  # byte order: neighbours share most
+    shared = [0] * len(reqs)
+    for a, b in zip(order, order[1:]):
+        common = _common_prefix(keys[a], keys[b])
+        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    points = {}
+    for i, req in enumerate(reqs):
+        end = match_end(req) // page_size * page_size
+        branch = min(shared[i], end) // page_size * page_size
+        points[req.index] = tuple(sorted({p for p in (branch, end) if p > 0}))
+    return points
 
 
 def screen(req: Req, engine: RadixEngine) -> bool:
@@ -65,40 +100,55 @@ class PrefillPlanner:
         self.queues = queues
         self.chunked_prefill_size = chunked_prefill_size
         self.max_running_requests = max_running_requests
+        self.snapshot_points: dict[int, tuple[int, ...]] = {}  # hybrid models: per request index
 
-    def plan(self, items: StepItems) -> None:
+    def plan(self, items: StepItems, uniform: bool = False) -> None:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
-        both, and room is kept for what admitted requests will still decode."""
+        both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
+        every chunk has the length of the first one (rows of one forward add the same number of tokens);
+        a request admitted with another length prefills in a later step."""
         queues, manager = self.queues, self.manager
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
             return
         reserved = self._reserved_tokens([*queues.running, *queues.prefilling])
         in_batch = RadixPrefixCache(page_size=1)
+        width = None  # uniform: the step's chunk length
         for req in queues.prefilling:
             if budget <= 0:
                 break
-            budget -= self._add_chunk(items, in_batch, req, budget)
+            start = req.computed_len
+            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+                continue
+            width = self._add_chunk(items, in_batch, req, budget)
+            budget -= width
         deferred: list[Req] = []
         ps = manager.page_size
+        states = manager.state_slots
         while queues.waiting and budget > 0 and queues.active() < self.max_running_requests:
             req = queues.waiting[0]
             handle = manager.match(req.match_ids)
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
-            if shared - handle.cached_len >= max(MIN_SHARED_TO_DEFER, ps):
+            # (hybrid: any page, since the batch-mate's chunk ends at its branch point, snapshotted)
+            if shared - handle.cached_len >= max(1 if uniform else MIN_SHARED_TO_DEFER, ps):
                 deferred.append(queues.waiting.popleft())  # a batch-mate computes this prefix this step
                 continue
+            start = handle.cached_len
+            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+                break
             need = manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > manager.available_size:
                 break
             manager.lock(handle)
-            if need + reserved > manager.available_size:  # locking made the matched prefix unevictable
+            # locking made the matched prefix unevictable (and its snapshot: a state slot must be left)
+            if need + reserved > manager.available_size or states is not None and states.available < 1:
                 manager.unlock(handle)
                 break
             queues.waiting.popleft()
             queues.admit(req, manager.open_row(handle), handle.cached_len, handle.restored_len)
             self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
-            budget -= self._add_chunk(items, in_batch, req, budget)
+            width = self._add_chunk(items, in_batch, req, budget)
+            budget -= width
             reserved += need
         queues.waiting.extendleft(reversed(deferred))
 
@@ -108,11 +158,16 @@ class PrefillPlanner:
         ps = manager.page_size
         return sum(manager.pages_for(manager.row_len(r.row), r.final_len) * ps for r in reqs)
 
-    @staticmethod
-    def _add_chunk(items: StepItems, in_batch: RadixPrefixCache, req: Req, budget: int) -> int:
-        """Adds `req`'s next chunk (at most `budget` tokens), noted in the step's prefix tree; its size."""
-        start = req.computed_len
+    def _chunk_end(self, req: Req, start: int, budget: int) -> int:
+        """Where `req`'s chunk from `start` ends: at most `budget` tokens, at its next snapshot point."""
         end = min(req.prompt_len, start + budget)
+        return next((p for p in self.snapshot_points.get(req.index, ()) if start < p < end), end)
+
+    def _add_chunk(self, items: StepItems, in_batch: RadixPrefixCache, req: Req, budget: int) -> int:
+        """Adds `req`'s next chunk (at most `budget` tokens, ending at its next snapshot point), noted in
+        the step's prefix tree; its size."""
+        start = req.computed_len
+        end = self._chunk_end(req, start, budget)
         items.prefill.append((req, start, end))
         offset = in_batch.size_info.total_size
         in_batch.insert_prefix(req.ids[:end], np.arange(offset, offset + end, dtype=np.int64))

@@ -1,0 +1,102 @@
+"""The forward layout of hybrid models (docs/hybrid.md, section 4): the model keeps hf_radix's packed
+`(1, N)` sequence; only the state mixers see the step's rows as the batch dimension.
+
+`install_row_hooks` puts a forward pre-hook on each state mixer that reshapes its input `[1, B*T, C]` to
+`[B, T, C]` (every row of a step adds the same `T` tokens, with no padding) and drops its padding mask,
+and a forward hook that reshapes the output back. The hooks read the rows of the radix forward in progress
+(`current_forward().state_batch`) and do nothing outside radix forwards, so a plain `forward`/`generate`
+of the same model is unchanged. `state_batch` builds the `StateBatch` of a step: row `i` reads and writes
+its running state slot.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..hybrid_layers import state_mixers, state_specs
+from ..memory.placement import is_dispatched
+from ..memory.state_pool import StateBatch, StatePool, default_state_slots
+from ..options import EngineOptions
+from ..paged_attention.forward_batch import StepRows
+from .forward_context import current_forward
+
+_HOOKS_ATTR = "_hf_radix_row_hooks"
+_MASK_KWARGS = ("attention_mask", "mask")
+
+
+def hybrid_state_pool(model: torch.nn.Module, options: EngineOptions, kv_shape, dtype: torch.dtype,
+                      device: torch.device, tensor_parallel: bool) -> StatePool:
+    """The pool of a hybrid model's per-request states (`state_slots` of them, or a default share of the
+    K/V budget), with the row hooks installed on its state mixers. Its forwards run eagerly."""
+    if tensor_parallel or is_dispatched(model):
+        raise NotImplementedError(
+            "hf_radix: hybrid models run on one device for now (no device map, no tensor parallel)"
+        )
+    specs = state_specs(model, dtype)
+    num_slots = options.state_slots or default_state_slots(
+        specs, options.max_total_tokens, kv_shape.bytes_per_token(dtype), options.mem_fraction, device
+    )
+    install_row_hooks(model)
+    return StatePool(specs, num_slots, device)
+
+
+class MixedStepError(RuntimeError):
+    """A hybrid model's step whose rows add different numbers of tokens (the scheduler never makes one)."""
+
+
+def _rows() -> int | None:
+    cache = current_forward()
+    state = None if cache is None else getattr(cache, "state_batch", None)
+    return None if state is None else len(state.slots)
+
+
+def _to_rows(module, args, kwargs):
+    rows = _rows()
+    if rows is None:
+        return None
+    if "hidden_states" in kwargs:
+        hidden = kwargs.pop("hidden_states")
+    else:
+        hidden, args = args[0], args[1:]
+    if hidden.shape[0] != 1 or hidden.shape[1] % rows:
+        raise MixedStepError(f"a state layer got {tuple(hidden.shape)} for {rows} rows")
+    kwargs = {**kwargs, "hidden_states": hidden.reshape(rows, hidden.shape[1] // rows, hidden.shape[2])}
+    for name in _MASK_KWARGS:
+        if name in kwargs:
+            kwargs[name] = None  # rows carry no padding in this layout
+    return args, kwargs
+
+
+def _to_packed(module, args, kwargs, out):
+    if _rows() is None:
+        return None
+    first = out[0] if isinstance(out, tuple) else out
+    first = first.reshape(1, -1, first.shape[-1])
+    return (first, *out[1:]) if isinstance(out, tuple) else first
+
+
+def install_row_hooks(model: torch.nn.Module) -> None:
+    """Hooks every state mixer of `model` (idempotent: earlier hooks are replaced)."""
+    for handle in getattr(model, _HOOKS_ATTR, ()):
+        handle.remove()
+    handles = []
+    for mixer in state_mixers(model).values():
+        handles.append(mixer.register_forward_pre_hook(_to_rows, with_kwargs=True))
+        handles.append(mixer.register_forward_hook(_to_packed, with_kwargs=True))
+    setattr(model, _HOOKS_ATTR, tuple(handles))
+
+
+def state_batch(manager, step: StepRows) -> StateBatch:
+    """The state slots of `step`'s rows (each row's running slot); every row must add the same number
+    of tokens. Rows that start a sequence next to continuing rows read their zeroed slot."""
+    new = np.asarray(step.new_lens)
+    if len(new) and (new != new[0]).any():
+        raise MixedStepError(
+            f"the rows of a hybrid model's step must add the same number of tokens, got {new.tolist()}"
+        )
+    slots = [manager.row_state_slot(int(row)) for row in step.rows]
+    if any(s is None for s in slots):
+        raise MixedStepError("a row of a hybrid model's step has no state slot (a padding row?)")
+    continuing = bool((np.asarray(step.prefix_lens) > 0).any())
+    return StateBatch(manager.state_slots.pool, slots, has_previous=continuing)

@@ -1,0 +1,199 @@
+"""Hybrid models end to end (issue 29): `RadixBatchRunner.run` greedy tokens and `loglikelihood` equal plain
+transformers on tiny fp32 models, with prefix-cache hits across calls (state snapshots on the tree), page
+sizes 1, 4 and 16, chunked prefill; the engine captures no graphs; radix `generate` falls back to plain
+generate; the families hf_radix cannot run exactly are refused with their reason.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
+from hf_radix.capability import check_model
+from hf_radix.engine import get_engine
+from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
+
+pytestmark = [
+    pytest.mark.slow,  # run once, on the newest transformers
+    pytest.mark.skipif(not cache_state_api(), reason="this transformers' state layers bypass the Cache API"),
+]
+warnings.filterwarnings("ignore")
+NEW = 5
+CORE = ["qwen3_5", "nemotron_h", "lfm2"]
+OTHERS = ["qwen3_next", "granitemoehybrid", "falcon_h1", "qwen3_5_moe", "lfm2_moe", "bamba"]
+CASES = [(f, ps) for f in CORE for ps in (1, 4)] + [(f, 16) for f in CORE + OTHERS]
+
+
+def _hf_greedy(model, ids: list[int], new: int = NEW) -> list[int]:
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _hf_logprob(model, context: list[int], continuation: list[int]) -> float:
+    ids = torch.tensor([context + continuation])
+    with torch.inference_mode():
+        logp = model(input_ids=ids).logits[0, len(context) - 1 : -1].float().log_softmax(-1)
+    return float(logp.gather(-1, torch.tensor(continuation)[:, None]).sum())
+
+
+def _prompts(vocab: int, seed: int, shared_len: int = 21) -> tuple[list[int], list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(3, vocab, (shared_len,), generator=gen).tolist()
+    return shared, [shared + torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (6, 11, 1)]
+
+
+def _run(runner, model, prompts):
+    outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts]
+    runner.check_integrity()
+
+
+@pytest.mark.parametrize(("family", "page_size"), CASES)
+def test_runner_and_loglikelihood_equal_transformers_with_prefix_hits(family: str, page_size: int) -> None:
+    model = tiny_hybrid_model(family)
+    vocab = model.config.vocab_size
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
+    assert not runner.engine.captures_graphs and not runner.model_runner.has_graphs
+    assert runner.model_runner.warm_up() == {}  # nothing to capture; a padding row has no state slot
+    shared, prompts = _prompts(vocab, seed=1)
+    _run(runner, model, prompts)  # prompts share a prefix: the later ones hit its snapshot
+    first = runner.stats.cached_tokens
+    assert first >= (len(shared) // page_size) * page_size * (len(prompts) - 1) > 0
+    # a second call: the same prompts (each hits its own last page boundary) and new ones on the prefix
+    _, others = _prompts(vocab, seed=2)
+    again = prompts[:2] + [shared + others[0][len(shared):]]
+    _run(runner, model, again)
+    assert runner.stats.cached_tokens - first >= sum((len(p) - 1) // page_size * page_size for p in again[:2])
+    pairs = [(prompts[0][:9], prompts[0][9:]), (prompts[1][:-3], prompts[1][-3:]), (shared[:1], [7, 9])]
+    scores = runner.loglikelihood(pairs)
+    for (logprob, _), (context, continuation) in zip(scores, pairs):
+        assert abs(logprob - _hf_logprob(model, context, continuation)) <= 1e-4
+    runner.check_integrity()
+
+
+@pytest.mark.parametrize("family", CORE)
+def test_chunked_prefill_without_overlap(family: str) -> None:
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=4, chunked_prefill_size=5,
+                              overlap=False, max_running_requests=2)
+    _, prompts = _prompts(model.config.vocab_size, seed=3)
+    _run(runner, model, prompts + [prompts[0][:17]])
+    _run(runner, model, prompts[1:])
+    assert runner.stats.cached_tokens > 0
+
+
+def test_few_state_slots_make_requests_wait_not_fail() -> None:
+    """A pool of 6 state slots and 20 requests: admission waits for slots; snapshots are evicted."""
+    model = tiny_hybrid_model("lfm2")
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1, state_slots=6)
+    assert runner.engine.state_pool.num_slots == 6
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (20,))]
+    _run(runner, model, prompts)
+    _run(runner, model, prompts[::3])
+
+
+def test_radix_generate_falls_back_to_plain_generate() -> None:
+    model = tiny_hybrid_model("qwen3_5")
+    ids = torch.tensor([[5, 9, 11, 3, 7, 20, 31]])
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+    want = model.generate(ids, **kwargs)
+    got = model.generate(ids, cache_implementation="radix", **kwargs)
+    assert torch.equal(got, want)
+    assert get_engine(model).hybrid
+
+
+@pytest.mark.parametrize(
+    ("family", "words"),
+    [("mamba2", "no attention layer"), ("jamba", "Mamba1"), ("mamba", "Mamba1"),
+     ("falcon_mamba", "Mamba1"), ("minimax", "MiniMaxCache"), ("recurrent_gemma", "RG-LRU")],
+)
+def test_families_not_exact_are_refused_with_their_reason(family: str, words: str) -> None:
+    with pytest.raises(UnsupportedModelError) as info:
+        check_model(tiny_hybrid_model(family))
+    assert words in info.value.reason
+
+
+@pytest.mark.parametrize(("family", "page_size"), [(f, 1) for f in CORE] + [(f, 4) for f in CORE])
+def test_follow_up_turn_hits_the_previous_prompt_and_answer(family: str, page_size: int) -> None:
+    """At release a row's state is kept as the snapshot at the end of prompt + answer (page size 1), or
+    at the last page boundary its decode crossed: the next turn, which starts with them, hits it."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
+    _, prompts = _prompts(model.config.vocab_size, seed=5)
+    outs = runner.run(prompts[:2], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    turns = [p + o.token_ids + [4, 5, 6] for p, o in zip(prompts, outs)]
+    before = runner.stats.cached_tokens
+    _run(runner, model, turns)
+    want = sum((len(p) + NEW - 1) // page_size * page_size for p in prompts[:2])
+    assert runner.stats.cached_tokens - before == want
+
+
+@pytest.mark.parametrize(("overlap", "page_size"), [(True, 1), (False, 1), (True, 4), (False, 4)])
+def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool, page_size: int) -> None:
+    """Requests stopping early (a stop token; with overlap a step past the stop is computed and dropped)
+    leave a consistent cache: a second call is exact and the integrity check holds."""
+    model = tiny_hybrid_model("nemotron_h")
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size, overlap=overlap)
+    _, prompts = _prompts(model.config.vocab_size, seed=6)
+    full = [_hf_greedy(model, p, 8) for p in prompts]
+    stops = [f[2] for f in full]
+    for _ in range(2):
+        outs = runner.run(prompts, [SamplingParams(max_new_tokens=8, stop_token_ids=[s], ignore_eos=True)
+                                    for s in stops])
+        assert [o.token_ids for o in outs] == [f[: f.index(s) + 1] for f, s in zip(full, stops)]
+        runner.check_integrity()
+        turns = [p + o.token_ids + [4, 5] for p, o in zip(prompts, outs)]
+        _run(runner, model, turns)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_prefill_chunks_of_one_length_share_a_forward(family: str) -> None:
+    """Prompts of one length (no shared prefix) prefill together: two forwards (up to the snapshot point
+    before the last token, then the last token), then one forward per decode step."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 96, (9,), generator=gen).tolist() for _ in range(4)]
+    _run(runner, model, prompts)
+    assert runner.stats.forward_calls == 2 + NEW - 1
+
+
+def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:
+    """`save_cache` / `load_cache` carry the state snapshots: after a reset and a load, the same prompts
+    hit their snapshots and stay exact."""
+    model = tiny_hybrid_model("lfm2")
+    runner = RadixBatchRunner(model, max_total_tokens=512, page_size=1)
+    _, prompts = _prompts(model.config.vocab_size, seed=8)
+    _run(runner, model, prompts)
+    runner.save_cache(tmp_path / "cache")
+    runner.engine.reset_cache()
+    assert runner.load_cache(tmp_path / "cache")["snapshots"] > 0
+    runner.check_integrity()
+    before = runner.stats.cached_tokens
+    _run(runner, model, prompts)
+    assert runner.stats.cached_tokens - before == sum(len(p) - 1 for p in prompts)
+
+
+@pytest.mark.parametrize("family", CORE + ["falcon_h1", "granitemoehybrid", "qwen3_next"])
+def test_a_fresh_row_and_a_restored_row_prefill_together(family: str) -> None:
+    """A prompt continuing from a snapshot (chunk 16..24) and a fresh one (chunk 0..8) share a prefill
+    forward: the fresh row reads its zeroed slot as a state; both equal transformers."""
+    model = tiny_hybrid_model(family)
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    gen = torch.Generator().manual_seed(9)
+    base = torch.randint(3, 96, (17,), generator=gen).tolist()
+    _run(runner, model, [base])  # snapshot after 16 tokens
+    calls = runner.stats.forward_calls
+    cached = runner.stats.cached_tokens
+    _run(runner, model, [base + torch.randint(3, 96, (8,), generator=gen).tolist(),
+                         torch.randint(3, 96, (9,), generator=gen).tolist()])
+    assert runner.stats.cached_tokens - cached == 16
+    assert runner.stats.forward_calls - calls == 2 + NEW - 1  # chunks 16..24 and 0..8 together, then 24, 8
