@@ -58,6 +58,10 @@ class EngineOptions:
         None, "hybrid models: state slots for running requests and prefix snapshots (None: a quarter of the "
         "K/V budget, 16 to 1024)"
     )
+    state_snapshot_interval: int = _option(
+        4096, "hybrid models: also snapshot a long prompt's state every this many tokens (0: only at branch "
+        "points and prompt ends)"
+    )
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
@@ -66,6 +70,8 @@ class EngineOptions:
             raise ValueError(f"cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.state_slots is not None and self.state_slots < 1:
             raise ValueError(f"state_slots must be >= 1 or None, got {self.state_slots}")
+        if self.state_snapshot_interval < 0:
+            raise ValueError(f"state_snapshot_interval must be >= 0, got {self.state_snapshot_interval}")
         if self.shared_prefix_mode not in MODES:
             raise ValueError(f"shared_prefix_mode must be one of {MODES}, got {self.shared_prefix_mode!r}")
 

@@ -108,7 +108,9 @@ class Scheduler:
         )
         self.queues.waiting = queue
         if self.hybrid:
-            self.planner.snapshot_points = snapshot_points(ready, manager.page_size)
+            self.planner.snapshot_points = snapshot_points(
+                ready, manager.page_size, self.engine.options.state_snapshot_interval
+            )
         bar = tqdm(total=len(reqs), disable=not progress, desc="hf_radix", unit="req")
         bar.update(len(reqs) - len(ready))
         self.completer.start(ready, bar)

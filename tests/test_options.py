@@ -31,6 +31,7 @@ NON_DEFAULT = {
     "host_cache_tokens": 64,
     "host_cache_gb": 0.001,
     "state_slots": 32,
+    "state_snapshot_interval": 512,
 }
 FIELDS = [f.name for f in dataclasses.fields(EngineOptions)]
 RUNNER_ONLY = ("cuda_graph", "warm_up")  # taken by the runner for itself (as before), not set on the engine

@@ -7,8 +7,9 @@ may still allocate (a prompt waits a step for a batch-mate that computes its pre
 
 Hybrid models (state layers; docs/hybrid.md) run prefill steps apart from decode steps, with chunks of
 one length (`plan(..., uniform=True)`), admit a request only with a free state slot, and end chunks at the
-request's snapshot points (`snapshot_points`): the branch point of prompts sharing a prefix and the
-last page boundary before the match end, where the scheduler saves the row's state on the tree.
+request's snapshot points (`snapshot_points`): the branch points of prompts sharing prefixes, every
+`state_snapshot_interval` tokens of a long prompt, and the last page boundary before the match end, where
+the scheduler saves the row's state on the tree.
 """
 
 from __future__ import annotations
@@ -40,22 +41,37 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if len(differ) else n
 
 
-def snapshot_points(reqs: Iterable[Req], page_size: int) -> dict[int, tuple[int, ...]]:
+def _branch_depths(keys: list[np.ndarray]) -> list[set[int]]:
+    """Per key, every length at which it branches from another key: the distinct lengths of its longest
+    common prefixes with each of the others (the depths of its path's branch nodes in their trie)."""
+    order = sorted(range(len(keys)), key=lambda i: keys[i].tobytes())  # byte order: neighbours share most
+    common = [_common_prefix(keys[a], keys[b]) for a, b in zip(order, order[1:])]
+    depths: list[set[int]] = [set() for _ in keys]
+    # a key's common prefix with a farther key is the least of the neighbours' common prefixes between
+    # them: a stack of those minima, kept increasing, sweeping each way
+    for walk, shared in ((order[1:], common), (order[-2::-1], common[::-1])):
+        stack: list[int] = []
+        for i, length in zip(walk, shared):
+            while stack and stack[-1] > length:
+                stack.pop()
+            if length > 0 and (not stack or stack[-1] < length):
+                stack.append(length)
+            depths[i].update(stack)
+    return depths
+
+
+def snapshot_points(reqs: Iterable[Req], page_size: int, interval: int = 0) -> dict[int, tuple[int, ...]]:
     """Per request index, the prompt lengths after which a hybrid model's scheduler snapshots the state
-    (page multiples > 0, increasing): where its prompt branches from another request's (the longest prefix
-    shared with any of `reqs`), and the last page boundary a later match of the same prompt reaches."""
+    (page multiples > 0, increasing): every point where its prompt branches from another request's, every
+    `interval` tokens (0: none), and the last page boundary a later match of the same prompt reaches."""
     reqs = list(reqs)
-    keys = [r.match_ids[: match_end(r)] for r in reqs]
-    order = sorted(range(len(reqs)), key=lambda i: keys[i].tobytes())  # byte order: neighbours share most
-    shared = [0] * len(reqs)
-    for a, b in zip(order, order[1:]):
-        common = _common_prefix(keys[a], keys[b])
-        shared[a], shared[b] = max(shared[a], common), max(shared[b], common)
+    branches = _branch_depths([r.match_ids[: match_end(r)] for r in reqs])
     points = {}
-    for i, req in enumerate(reqs):
+    for req, depths in zip(reqs, branches):
         end = match_end(req) // page_size * page_size
-        branch = min(shared[i], end) // page_size * page_size
-        points[req.index] = tuple(sorted({p for p in (branch, end) if p > 0}))
+        periodic = range(interval, end, interval) if interval > 0 else ()
+        lengths = {min(d, end) // page_size * page_size for d in (*depths, *periodic)} | {end}
+        points[req.index] = tuple(sorted(p for p in lengths if p > 0))
     return points
 
 
@@ -106,7 +122,7 @@ class PrefillPlanner:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
         both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
         every chunk has the length of the first one (rows of one forward add the same number of tokens);
-        a request admitted with another length prefills in a later step."""
+        waiting requests of that length are admitted past those of other lengths, which wait their turn."""
         queues, manager = self.queues, self.manager
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
@@ -125,6 +141,7 @@ class PrefillPlanner:
         deferred: list[Req] = []
         ps = manager.page_size
         states = manager.state_slots
+        other_widths = 0  # uniform: waiting requests passed over for their chunk length
         while queues.waiting and budget > 0 and queues.active() < self.max_running_requests:
             req = queues.waiting[0]
             handle = manager.match(req.match_ids)
@@ -135,7 +152,11 @@ class PrefillPlanner:
                 continue
             start = handle.cached_len
             if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
-                break
+                other_widths += 1
+                if other_widths > self.max_running_requests:
+                    break
+                deferred.append(queues.waiting.popleft())  # prefills in a step of its own chunk length
+                continue
             need = manager.pages_for(handle.cached_len, req.final_len) * ps
             if need + reserved > manager.available_size:
                 break
