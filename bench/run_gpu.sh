@@ -3,10 +3,12 @@
 # log. Every benchmark starts with an empty Triton cache (its first run is a fresh process's: nothing compiled
 # by an earlier one). Result files record the command and the git commit: where the copy of the tree has no
 # .git, pass the commit in, e.g. `HF_RADIX_COMMIT=$(git rev-parse HEAD)` expanded on the machine that has it.
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [rl] [warmtests]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profiledecode] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [warm] [chat] [rl] [warmtests] [hybrid]
+# Hybrid models need transformers >= 5.24 and run faster with flash-linear-attention: carry their wheels
+# (bench/README.md) and put them first on PYTHONPATH before calling this script.
 # Results kept: copy $OUT/<name>.json and .log to bench/results/<name>_h200.{json,log} (see bench/README.md).
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export HF_RADIX_COMMIT=${HF_RADIX_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -25,6 +27,7 @@ for step in "$@"; do
     chatnotier) timeout 100 python3 bench/chat_bench.py --configs unbounded,no_tier --json "$OUT/chat_bench_no_tier.json" 2>&1 | tee "$OUT/chat_bench_no_tier.log" ;;
     sampling) timeout 60 python3 bench/sampling_bench.py --json "$OUT/sampling.json" 2>&1 | tee "$OUT/sampling.log" ;;
     sharedprefix) timeout 100 python3 bench/shared_prefix_bench.py --json "$OUT/shared_prefix_bench.json" 2>&1 | tee "$OUT/shared_prefix_bench.log" ;;
+    hybrid) timeout 450 python3 bench/hybrid.py --parts "${HYBRID_PARTS:-kernels,gsp,score,chat}" --json "$OUT/hybrid.json" 2>&1 | tee "$OUT/hybrid.log" ;;
     warmtests) timeout 260 python3 -m pytest -q -p no:cacheprovider tests/test_warm_gpu.py 2>&1 | tee "$OUT/warm_gpu_tests.log" ;;
   esac
 done
