@@ -141,7 +141,7 @@ def radix_attention_forward(
         raise ValueError(
             f"radix attention expects a packed batch of shape (1, T), got batch size {query.shape[0]}"
         )
-    layer = module.layer_idx
+    layer = cache.engine.kv_layer_index[module.layer_idx]
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     if scaling is None:
         scaling = q.shape[-1] ** -0.5

@@ -53,9 +53,10 @@ class RadixCache(StateCacheMixin, Cache):
         k = key_states[0].transpose(0, 1)
         v = value_states[0].transpose(0, 1)
         batch = self.batch_on(k.device)  # a device map: this layer's copy of the metadata
-        self.engine.pool.store_kv(k, v, batch.out_loc, layer_idx)
+        layer = self.engine.kv_layer_index[layer_idx]
+        self.engine.pool.store_kv(k, v, batch.out_loc, layer)
         if self.engine.pool.shape.latent:  # MLA: the layer expands its whole context's latents itself
-            return context_latents(self.engine.pool, batch, layer_idx, k, v)
+            return context_latents(self.engine.pool, batch, layer, k, v)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -17,7 +17,7 @@ import functools
 import inspect
 import textwrap
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import transformers
@@ -79,6 +79,7 @@ class ModelSupport:
     model_class: str
     attention_layers: int
     kv_shape: KVShape
+    kv_layer_ids: tuple[int, ...]  # the decoder layer (``layer_idx``) of each K/V layer of the pool, in order
 
 
 # ---------------------------------------------------------------------------------------- source reading
@@ -139,7 +140,9 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     if not hybrid:
         _check_recurrent(model, refuse)
     attention = _attention_layers(model, refuse, hybrid)
-    return ModelSupport(name, len(attention), _kv_shape(attention[0], model.config))
+    ids = tuple(sorted(m.layer_idx for m in attention))
+    shape = replace(_kv_shape(attention[0], model.config), num_layers=len(ids))
+    return ModelSupport(name, len(attention), shape, ids)
 
 
 def hybrid_model_type(model: torch.nn.Module) -> str | None:
@@ -212,7 +215,7 @@ def _attention_layers(model: torch.nn.Module, refuse, hybrid: bool = False) -> l
     if not attention:
         raise refuse(_no_interface_reason(model))
     indices = sorted(getattr(m, "layer_idx", -1) for m in attention)
-    if hybrid:  # the pool keeps a K/V layer per decoder layer; state layers leave theirs unused
+    if hybrid:  # the pool keeps K/V for the attention layers alone
         beyond = layers is not None and indices[-1] >= layers
         if len(set(indices)) != len(indices) or indices[0] < 0 or beyond:
             raise refuse("its attention layers are not numbered by distinct decoder layers (layer_idx)")

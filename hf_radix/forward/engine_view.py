@@ -24,6 +24,7 @@ class ForwardEngine(Protocol):
     pool: KVPool | PlacedKVPool
     backend: AttentionBackend
     max_context: int
+    kv_layer_index: list[int]  # the pool layer of each decoder layer (-1: a state layer)
 
     @property
     def device(self) -> torch.device: ...
