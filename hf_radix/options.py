@@ -56,7 +56,7 @@ class EngineOptions:
     host_cache_gb: float | None = _option(None, "or the host-memory tier's size in GB")
     state_slots: int | None = _option(
         None, "hybrid models: state slots for running requests and prefix snapshots (None: a quarter of the "
-        "K/V budget, 16 to 1024)"
+        "free GPU memory's `mem_fraction`, 16 to 1024)"
     )
     state_snapshot_interval: int = _option(
         4096, "hybrid models: also snapshot a long prompt's state every this many tokens (0: only at branch "

@@ -23,8 +23,8 @@ from ..hybrid_layers import StateLayerSpec
 
 __all__ = ["StateBatch", "StateCacheMixin", "StatePool", "StatePoolError", "default_state_slots"]
 
-# Without a `state_slots` option, the slots (running requests plus prefix snapshots) take this share of the
-# K/V budget, within these bounds (docs/hybrid.md).
+# Without a `state_slots` option, the slots (running requests plus prefix snapshots) take this share of
+# the memory budget, within these bounds (docs/hybrid.md).
 STATE_POOL_SHARE = 4  # one quarter
 MIN_STATE_SLOTS, MAX_STATE_SLOTS = 16, 1024
 
@@ -33,13 +33,14 @@ def default_state_slots(
     specs: Sequence[StateLayerSpec], max_total_tokens: int | None, kv_bytes_per_token: int,
     mem_fraction: float, device: torch.device,
 ) -> int:
-    """State slots of a hybrid model's pool: a quarter of the K/V budget (`max_total_tokens` tokens, or
-    `mem_fraction` of the free GPU memory; 4 GiB off GPU) over the bytes of one slot, between 16 and 1024."""
+    """State slots of a hybrid model's pool: a quarter of `mem_fraction` of the free GPU memory (off GPU, of
+    the K/V budget of `max_total_tokens` tokens, else of 4 GiB) over the bytes of one slot, between 16 and
+    1024. On a GPU the K/V pool is sized after it, from what is left, unless `max_total_tokens` is set."""
     per_slot = max(1, sum(s.nbytes for s in specs))
-    if max_total_tokens is not None:
-        budget = max_total_tokens * kv_bytes_per_token
-    elif device.type == "cuda":
+    if device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0] * mem_fraction)
+    elif max_total_tokens is not None:
+        budget = max_total_tokens * kv_bytes_per_token
     else:
         budget = 1 << 32
     return int(min(MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, budget // STATE_POOL_SHARE // per_slot)))
