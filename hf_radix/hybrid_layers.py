@@ -260,23 +260,24 @@ def tiny_hybrid_model(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-#: Placeholder token ids of the tiny vision-language models (inside their 96-token vocabulary).
-TINY_VLM_TOKENS = dict(image_token_id=90, video_token_id=91, vision_start_token_id=92, vision_end_token_id=93)
-
-
-def tiny_hybrid_vlm(name: str = "qwen3_5", seed: int = 0) -> nn.Module:
+def tiny_hybrid_vlm(name: str = "qwen3_5", seed: int = 0, **text_kwargs) -> nn.Module:
     """A tiny fp32 ``Qwen3_5ForConditionalGeneration`` (``name`` "qwen3_5") or its MoE twin
-    ("qwen3_5_moe"): a one-block vision tower in front of the text model of :func:`tiny_hybrid_model`."""
+    ("qwen3_5_moe"): a one-block vision tower in front of the text model of :func:`tiny_hybrid_model`
+    (``text_kwargs`` override its config). The last four token ids are the image, video, vision-start and
+    vision-end placeholders."""
     import transformers
 
     prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[name]
     text_cls, _, kwargs = tiny_configs()[name]
+    kwargs = {**kwargs, **text_kwargs}
     vision = getattr(transformers, f"{prefix}VisionConfig")(
         depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
         spatial_merge_size=2, out_hidden_size=kwargs["hidden_size"], num_position_embeddings=16)
+    vocab = kwargs["vocab_size"]
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
     config = getattr(transformers, f"{prefix}Config")(
         text_config=getattr(transformers, text_cls)(**kwargs).to_dict(), vision_config=vision.to_dict(),
-        **TINY_VLM_TOKENS)
+        **{key: vocab - 4 + i for i, key in enumerate(tokens)})
     torch.manual_seed(seed)
     return getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
 

@@ -13,7 +13,7 @@ import torch
 
 from hf_radix import RadixBatchRunner, RequestError, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
-from hf_radix.hybrid_layers import TINY_VLM_TOKENS, cache_state_api, tiny_hybrid_vlm
+from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_vlm
 
 pytestmark = [
     pytest.mark.slow,  # run once, on the newest transformers
@@ -21,9 +21,8 @@ pytestmark = [
 ]
 warnings.filterwarnings("ignore")
 NEW = 5
-TEXT_VOCAB = 90  # the tiny models' ids 90..93 are the image / video placeholders and their markers
-IMAGE = TINY_VLM_TOKENS["image_token_id"]
-VIDEO = TINY_VLM_TOKENS["video_token_id"]
+TEXT_VOCAB = 92  # the tiny models' ids 92..95 are the image / video placeholders and their markers
+IMAGE, VIDEO = 92, 93
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
@@ -77,7 +76,9 @@ def test_text_prompts_equal_transformers_with_prefix_hits(name: str, page_size: 
 def test_only_the_text_model_is_checked_and_run() -> None:
     """The vision tower's attention (cu_seqlens, not causal) is not the text model's: the check counts the
     text model's one full-attention layer of four."""
-    support = check_model(tiny_hybrid_vlm("qwen3_5"))
+    model = tiny_hybrid_vlm("qwen3_5")
+    assert (model.config.image_token_id, model.config.video_token_id) == (IMAGE, VIDEO)
+    support = check_model(model)
     assert support.model_class == "Qwen3_5ForConditionalGeneration"
     assert support.attention_layers == 1
 
