@@ -111,3 +111,16 @@ def test_placeholder_tokens_are_refused_in_every_entry_point(token: int) -> None
     with pytest.raises(RequestError, match="placeholder tokens"):
         runner.loglikelihood([([5, 6], [token, 7])])
     runner.check_integrity()
+
+
+def test_plain_generate_with_an_image_is_unchanged_by_the_runner() -> None:
+    """Images go through plain transformers: attaching a runner changes nothing there (the vision tower
+    keeps its own attention outside radix calls)."""
+    model = tiny_hybrid_vlm("qwen3_5")
+    ids = torch.tensor([[5, 6, 94, IMAGE, 95, 7, 8]])  # vision start, one merged image token, vision end
+    image = dict(pixel_values=torch.randn(4, 96, generator=torch.Generator().manual_seed(0)),
+                 image_grid_thw=torch.tensor([[1, 2, 2]]), mm_token_type_ids=(ids == IMAGE).long())
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), **image, **GREEDY)
+    runner = RadixBatchRunner(model, max_total_tokens=256, page_size=1)
+    runner.run([[5, 6, 7, 8]], SamplingParams(max_new_tokens=2))
+    assert torch.equal(model.generate(ids, attention_mask=torch.ones_like(ids), **image, **GREEDY), want)
