@@ -17,8 +17,8 @@ __all__ = ["TEXT_ONLY_WRAPPERS", "placeholder_refusal", "placeholder_token_ids",
 #: ``config.model_type`` of the wrappers whose text prompts hf_radix runs exactly (tested against plain
 #: transformers in tests/test_hybrid_vlm.py).
 TEXT_ONLY_WRAPPERS = frozenset({"qwen3_5", "qwen3_5_moe"})
-#: Config keys holding the token ids that stand for an image, a video or audio in a prompt.
-PLACEHOLDER_KEYS = ("image_token_id", "video_token_id", "image_token_index", "audio_token_id")
+#: Config keys holding the token ids that stand for an image or a video in a prompt.
+PLACEHOLDER_KEYS = ("image_token_id", "video_token_id")
 
 
 def text_only(model: torch.nn.Module) -> bool:
