@@ -6,7 +6,8 @@ the radix attention implements. Everything else is refused with :class:`Unsuppor
 first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
 and hybrid models other than the hybrid families hf_radix runs with a state pool (`_check_hybrid`,
 docs/hybrid.md: the others are refused with their reason), multimodal models (two
-different images behind the same placeholder tokens would share K/V), encoder-decoders. At run time every
+different images behind the same placeholder tokens would share K/V; the Qwen3.5 vision-language
+wrappers run text prompts only, `vlm_text`), encoder-decoders. At run time every
 radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
 
@@ -26,6 +27,7 @@ from transformers.utils import logging
 from .errors import UnsupportedModelError
 from .hybrid_layers import FAMILIES, cache_state_api, refusal_reason
 from .memory.kv_pool import KVShape
+from .vlm_text import placeholder_refusal, text_only, text_stack
 
 logger = logging.get_logger(__name__)
 
@@ -54,6 +56,7 @@ HYBRID_NOT_YET = {
 MULTIMODAL_INPUTS = (
     "pixel_values", "pixel_values_videos", "image_embeds", "video_embeds", "input_features",
     "input_values", "audio_values", "input_audio_embeds", "image_grid_thw", "video_grid_thw",
+    "mm_encoder_outputs",
 )
 #: Sub-configs that describe parts of one text decoder (MPT's and DBRX's attention and FFN options).
 TEXT_SUB_CONFIGS = ("text_config", "decoder", "attn_config", "ffn_config")
@@ -135,7 +138,8 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
 
     if getattr(model.config, "is_encoder_decoder", False):
         raise refuse("it is an encoder-decoder model; hf_radix supports decoder-only causal LMs")
-    _check_multimodal(model, refuse)
+    if not text_only(model):  # a text-only wrapper (vlm_text): its image inputs are refused per call
+        _check_multimodal(model, refuse)
     hybrid = _check_hybrid(model, refuse)
     if not hybrid:
         _check_recurrent(model, refuse)
@@ -192,9 +196,10 @@ def _check_recurrent(model: torch.nn.Module, refuse) -> None:
 def _attention_layers(model: torch.nn.Module, refuse, hybrid: bool = False) -> list[torch.nn.Module]:
     """The attention modules, one per decoder layer (one per attention layer of a hybrid model, numbered by
     their decoder layer), each calling the interface with handled arguments."""
-    attention = [m for m in model.modules() if _attention_call_keywords(type(m)) is not None]
+    stack = text_stack(model)  # a text-only wrapper's vision tower never runs radix
+    attention = [m for m in stack.modules() if _attention_call_keywords(type(m)) is not None]
     ids = {id(m) for m in attention}
-    for module in model.modules():
+    for module in stack.modules():
         cls = type(module)
         wraps_attention = any(id(m) in ids for m in module.modules())  # DbrxNormAttentionNorm
         if "Attention" in cls.__name__ and hasattr(module, "layer_idx") and not wraps_attention:
@@ -273,14 +278,20 @@ def _kv_shape(attention: torch.nn.Module, config) -> KVShape:
 
 
 def check_inputs(model: torch.nn.Module, kwargs: dict) -> None:
-    """Refuses multimodal inputs given to a radix call (UnsupportedModelError) and an empty prompt
-    (ValueError; plain transformers fails inside the first forward, on a reshape of 0 elements)."""
+    """Refuses multimodal inputs and image / video placeholder tokens given to a radix call
+    (UnsupportedModelError) and an empty prompt (ValueError; plain transformers fails inside the first
+    forward, on a reshape of 0 elements)."""
     given = [k for k in MULTIMODAL_INPUTS if kwargs.get(k) is not None]
     if given:
         raise UnsupportedModelError(
             type(model).__name__,
-            f"multimodal inputs ({', '.join(given)}) cannot be keyed by a token prefix cache",
+            f"multimodal inputs ({', '.join(given)}) cannot be keyed by a token prefix cache; drop "
+            "cache_implementation='radix' to run them with plain generate",
         )
+    ids = kwargs.get("input_ids", kwargs.get("inputs"))
+    reason = placeholder_refusal(model, ids) if isinstance(ids, torch.Tensor) else None
+    if reason is not None:
+        raise UnsupportedModelError(type(model).__name__, reason)
     for name in ("inputs_embeds", "input_ids", "inputs"):
         prompt = kwargs.get(name)
         if isinstance(prompt, torch.Tensor) and prompt.dim() >= 2 and prompt.shape[1] == 0:

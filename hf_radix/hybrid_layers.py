@@ -27,6 +27,7 @@ __all__ = [
     "refusal_reason",
     "state_specs",
     "tiny_hybrid_model",
+    "tiny_hybrid_vlm",
 ]
 
 
@@ -257,6 +258,28 @@ def tiny_hybrid_model(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     return model
+
+
+def tiny_hybrid_vlm(name: str = "qwen3_5", seed: int = 0, **text_kwargs) -> nn.Module:
+    """A tiny fp32 ``Qwen3_5ForConditionalGeneration`` (``name`` "qwen3_5") or its MoE twin
+    ("qwen3_5_moe"): a one-block vision tower in front of the text model of :func:`tiny_hybrid_model`
+    (``text_kwargs`` override its config). The last four token ids are the image, video, vision-start and
+    vision-end placeholders."""
+    import transformers
+
+    prefix = {"qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe"}[name]
+    text_cls, _, kwargs = tiny_configs()[name]
+    kwargs = {**kwargs, **text_kwargs}
+    vision = getattr(transformers, f"{prefix}VisionConfig")(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=4, temporal_patch_size=2,
+        spatial_merge_size=2, out_hidden_size=kwargs["hidden_size"], num_position_embeddings=16)
+    vocab = kwargs["vocab_size"]
+    tokens = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=getattr(transformers, text_cls)(**kwargs).to_dict(), vision_config=vision.to_dict(),
+        **{key: vocab - 4 + i for i, key in enumerate(tokens)})
+    torch.manual_seed(seed)
+    return getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
 
 
 def probe_state_specs(model: nn.Module) -> list[StateLayerSpec]:

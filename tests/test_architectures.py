@@ -14,8 +14,11 @@ from model_matrix import ARCHITECTURES, architecture_table, check_architecture
 
 from hf_radix.hybrid_layers import cache_state_api
 
-REFUSED = {"Bloom", "Falcon", "GPTNeo", "Mpt", "Mamba", "Jamba", "Llava"}
-HYBRID = {"Qwen3Next", "FalconH1"}  # exact where the state layers use the Cache API (5.24), else refused
+REFUSED = {"Bloom", "Falcon", "GPTNeo", "Mpt", "Mamba", "Jamba", "MiniMax", "RecurrentGemma", "Mamba2",
+           "Llava"}
+#: exact where the state layers use the Cache API (5.24), else refused
+HYBRID = {"Qwen3Next", "FalconH1", "Qwen3_5", "Qwen3_5Moe", "Qwen3_5VL", "NemotronH", "GraniteMoeHybrid",
+          "Bamba", "Lfm2", "Lfm2Moe"}
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "architectures.md"
 _results: dict[str, dict] = {}
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..memory.radix_tree import RadixPrefixCache
+from ..vlm_text import placeholder_refusal
 from .request import Req, RequestStatus
 from .request_queues import RequestQueues
 from .running_rows import StepItems
@@ -96,6 +97,9 @@ def _refusal(req: Req, engine: RadixEngine) -> str | None:
     low, high = int(ids.min()), int(ids.max())
     if low < 0 or high >= engine.vocab_size:
         return f"token ids must lie in [0, {engine.vocab_size}), got {low}..{high}"
+    placeholders = placeholder_refusal(engine.model, ids)
+    if placeholders is not None:
+        return placeholders
     if req.final_len > engine.max_context:
         return (
             f"prompt ({req.prompt_len}) + max_new_tokens ({req.params.max_new_tokens}) exceeds the "
