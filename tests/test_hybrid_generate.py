@@ -172,8 +172,9 @@ def test_more_rows_than_state_slots_and_errors_leave_the_engine_usable():
         _both(model, prompts)
     _clean(model)
     ids, mask = _left_pad(prompts[:2])
+    raising = LogitsProcessorList([_RaisingProcessor(2)])
     with pytest.raises(_Boom):
         model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=None,
-                       cache_implementation="radix", logits_processor=LogitsProcessorList([_RaisingProcessor(2)]))
+                       cache_implementation="radix", logits_processor=raising)
     _clean(model)
     _both(model, prompts[:2])

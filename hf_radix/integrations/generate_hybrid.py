@@ -76,7 +76,8 @@ class HybridSteps:
         for b in rows.compute_rows():
             req = rows.reqs[b]
             length = req.computed_len
-            if b not in self._cuts and length > req.prompt_len and rows.tokens.row(b)[length - 1] in self.eos_token_ids:
+            answered = length > req.prompt_len and rows.tokens.row(b)[length - 1] in self.eos_token_ids
+            if answered and b not in self._cuts:
                 self._cuts[b] = length
             cut = self._cuts.get(b)
             if length % page or (cut is not None and length > cut) or (page == 1 and length != cut):
