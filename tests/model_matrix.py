@@ -198,7 +198,7 @@ def architecture_table(results: dict[str, dict[str, Any]]) -> str:
         "created, before any forward, for the reason given. The check reads the installed transformers: "
         "a family whose attention bypasses the interface in another release is refused there (GPT-J in "
         "transformers 5.17). Hybrid families (Qwen3Next, FalconH1: state layers, docs/hybrid.md) run "
-        "the runner with the prefix cache; their radix `generate` runs plain generate for now.",
+        "the runner and radix `generate` with the prefix cache (state snapshots on the tree).",
         "",
         "| family | model class | hf_radix | reason |",
         "| --- | --- | --- | --- |",
