@@ -91,7 +91,7 @@ def test_generate_equals_transformers_and_follow_ups_hit_prompt_and_answer(famil
     # answer token has no forward), to the last page boundary
     turns = [p + answer + [4, 5, 6] for p, answer in zip(prompts, _answers(prompts, out), strict=True)]
     before = _cached(model)
-    _both(model, turns)
+    _both(model, turns + _ids(model, 2, 4))  # with a new prompt as long as the turns' uncached parts (page 1)
     assert _cached(model) - before == sum((len(p) + NEW - 1) // page_size * page_size for p in prompts)
     if family in CORE:  # the same prompt alone hits its last page boundary before its last token
         before = _cached(model)

@@ -2,7 +2,9 @@
 
 `RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`): it reads each
 padded step of generate and turns it into the rows of a step for the model-runner core. The call's rows
-are requests (`GenerateRows`); rows with a duplicated prompt are computed once (`DuplicatePrompts`).
+are requests (`GenerateRows`); rows with a duplicated prompt are computed once (`DuplicatePrompts`). On a
+hybrid model the prompts run as forwards of rows with equal lengths, and rows keep state snapshots for the
+tree (`HybridSteps`).
 """
 
 from __future__ import annotations
