@@ -155,9 +155,10 @@ class GenerateRows:
             req.status, req.launched, req.launch_limit = status, 1, max(self.max_new, 1)
             req.check()
 
-    def release(self, last: list[int] | None, eos_token_ids: np.ndarray) -> int:
+    def release(self, last: list[int] | None, eos_token_ids: np.ndarray, failed: bool = False) -> int:
         """Caches every row's prompt and answer (up to its first EOS), releases its lock, FINISHED; returns
-        the tokens generated. `last`: each row's last sampled token, which no forward saw."""
+        the tokens generated. `last`: each row's last sampled token, which no forward saw; `failed`: the
+        call raised, so a hybrid model's rows keep no state at their ends (as the runner on an abort)."""
         manager = self.engine.manager
         generated = 0
         with manager.lazy_free_region():
@@ -171,7 +172,7 @@ class GenerateRows:
                 generated += keep - req.prompt_len
                 if req.row is not None:
                     computed = 0 if self.opaque else min(req.computed_len, keep)
-                    if manager.state_slots is not None and computed:  # prompt + answer: a later turn's hit
+                    if manager.state_slots is not None and computed and not failed:  # a later turn's hit
                         hold_end_snapshot(manager, req, computed)
                     row, req.row = req.row, None
                     manager.cache_req(row, req.ids, computed, finished=True)

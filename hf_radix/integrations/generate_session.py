@@ -334,7 +334,8 @@ class RadixGenerateCache(RadixCache):
     def finish(self, sequences: torch.Tensor | None = None) -> None:
         """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
 
-        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw.
+        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw; None:
+        generate failed.
         """
         if self.finished:
             return
@@ -346,7 +347,7 @@ class RadixGenerateCache(RadixCache):
         size = len(self.rows)
         if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
             last = sequences[:, -1].tolist()
-        self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids)
+        self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids, sequences is None)
         if self._started is not None:
             self.engine.stats.wall_time += time.perf_counter() - self._started
 
