@@ -178,3 +178,18 @@ def test_more_rows_than_state_slots_and_errors_leave_the_engine_usable():
                        cache_implementation="radix", logits_processor=raising)
     _clean(model)
     _both(model, prompts[:2])
+
+
+def test_runner_and_generate_share_their_snapshots():
+    model = _model("lfm2", 1)
+    runner = hf_radix.RadixBatchRunner(model, page_size=1, max_total_tokens=1024)
+    assert runner.engine is hf_radix.get_engine(model)
+    p, q, more = _ids(model, 6, 14, 11, 5)
+    answer = _answers([p], _both(model, [p]))[0]  # generate's snapshot: the end of prompt + answer
+    params = hf_radix.SamplingParams(max_new_tokens=2, ignore_eos=True)
+    assert runner.run([p + answer + more], params)[0].cached_tokens == len(p) + NEW - 1
+    runner.run([q], params)  # the runner's snapshot before the prompt's last token
+    before = _cached(model)
+    _both(model, [q + more])
+    assert _cached(model) - before == len(q) - 1
+    runner.check_integrity()
