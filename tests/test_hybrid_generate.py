@@ -1,7 +1,8 @@
 """Radix `generate` on hybrid models (issue 29): greedy tokens and every step's logits equal plain
 transformers on tiny fp32 models, for single prompts and left-padded batches of different lengths, with
 sampling, duplicated rows, prefill chunks and prompts given as embeddings; a follow-up call whose prompts
-extend the first call's prompts and answers hits the state snapshots the first call left on the tree.
+extend the first call's prompts and answers hits the state snapshots the first call left on the tree, and
+the runner and generate hit each other's snapshots.
 """
 
 from __future__ import annotations
