@@ -222,8 +222,8 @@ def architecture_table(results: dict[str, dict[str, Any]]) -> str:
         "hf_radix plugs into in another release is refused there (GPT-J and every hybrid family in "
         "transformers 5.17). Hybrid families (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, Nemotron-H, "
         "GraniteMoeHybrid, Falcon-H1, Bamba, LFM2, LFM2-MoE: attention plus state layers, docs/hybrid.md) "
-        "run the runner with the prefix cache and state snapshots; their radix `generate` runs plain "
-        "generate for now. Qwen3_5VL is `Qwen3_5ForConditionalGeneration`, as Qwen3.5 checkpoints load: "
+        "run the runner and radix `generate` with the prefix cache and state snapshots on the tree. "
+        "Qwen3_5VL is `Qwen3_5ForConditionalGeneration`, as Qwen3.5 checkpoints load: "
         "text prompts run exactly; image and video inputs and their placeholder tokens are refused.",
         "",
         "| family | model class | hf_radix | reason |",

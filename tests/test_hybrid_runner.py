@@ -1,7 +1,7 @@
 """Hybrid models end to end (issue 29): `RadixBatchRunner.run` greedy tokens and `loglikelihood` equal plain
 transformers on tiny fp32 models, with prefix-cache hits across calls (state snapshots on the tree), page
-sizes 1, 4 and 16, chunked prefill; the engine captures no graphs; radix `generate` falls back to plain
-generate; the families hf_radix cannot run exactly are refused with their reason.
+sizes 1, 4 and 16, chunked prefill; the engine captures no graphs; the families hf_radix cannot run exactly
+are refused with their reason (radix `generate`: test_hybrid_generate.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
-from hf_radix.engine import get_engine
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
 
 pytestmark = [
@@ -97,17 +96,6 @@ def test_few_state_slots_make_requests_wait_not_fail() -> None:
     prompts = [torch.randint(3, 96, (int(n),), generator=gen).tolist() for n in torch.randint(2, 12, (20,))]
     _run(runner, model, prompts)
     _run(runner, model, prompts[::3])
-
-
-def test_radix_generate_falls_back_to_plain_generate() -> None:
-    model = tiny_hybrid_model("qwen3_5")
-    ids = torch.tensor([[5, 9, 11, 3, 7, 20, 31]])
-    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, eos_token_id=None,
-                  pad_token_id=0)
-    want = model.generate(ids, **kwargs)
-    got = model.generate(ids, cache_implementation="radix", **kwargs)
-    assert torch.equal(got, want)
-    assert get_engine(model).hybrid
 
 
 @pytest.mark.parametrize(

@@ -164,12 +164,6 @@ def _radix_generate(original, model, kwargs: dict):
     config = _effective_config(model, kwargs)
     _check_supported(model, config, kwargs)
     engine = get_engine(model)
-    if engine.hybrid:  # radix generate does not run state layers yet (docs/hybrid.md, integration status)
-        logger.warning_once(
-            "hf_radix: generate(cache_implementation='radix') does not support hybrid models yet; it runs "
-            "plain generate without the prefix cache (RadixBatchRunner runs them with it)"
-        )
-        return original(model, **{**kwargs, "cache_implementation": "dynamic"})
     dropout = engine.state.active_dropout()
     if dropout is not None:  # random K/V: nothing to reuse, and plain generate is what the user expects
         logger.warning_once(

@@ -19,6 +19,7 @@ from ..paged_attention.forward_batch import StepRows
 from ..scheduling.request import Req, RequestStatus
 from ..scheduling.row_tokens import RowTokens
 from ..scheduling.sampling import SamplingParams
+from ..scheduling.step_completion import hold_end_snapshot
 from .prompt_dedup import DuplicatePrompts
 
 if TYPE_CHECKING:
@@ -48,6 +49,13 @@ class GenerateRows:
         manager = self.engine.manager
         self.opaque, self.max_new = ids is None, max(max_new, 0)
         params = SamplingParams(max_new_tokens=self.max_new)
+        states = manager.state_slots
+        if states is not None and len(lens) > states.available:  # a hybrid model: a state slot a row
+            raise ValueError(
+                f"this generate call has {len(lens)} rows but only {states.available} of the "
+                f"{states.pool.num_slots} state slots are free or evictable; call "
+                "hf_radix.configure(model, state_slots=...) before first use, or lower the batch size"
+            )
         prompts = []
         for b, n in enumerate(lens):
             prompt = np.full(n, OPAQUE_TOKEN, dtype=np.int64) if ids is None else ids[b, ids.shape[1] - n :]
@@ -147,9 +155,10 @@ class GenerateRows:
             req.status, req.launched, req.launch_limit = status, 1, max(self.max_new, 1)
             req.check()
 
-    def release(self, last: list[int] | None, eos_token_ids: np.ndarray) -> int:
+    def release(self, last: list[int] | None, eos_token_ids: np.ndarray, failed: bool = False) -> int:
         """Caches every row's prompt and answer (up to its first EOS), releases its lock, FINISHED; returns
-        the tokens generated. `last`: each row's last sampled token, which no forward saw."""
+        the tokens generated. `last`: each row's last sampled token, which no forward saw; `failed`: the
+        call raised, so a hybrid model's rows keep no state at their ends (as the runner on an abort)."""
         manager = self.engine.manager
         generated = 0
         with manager.lazy_free_region():
@@ -162,8 +171,10 @@ class GenerateRows:
                     keep, reason = req.prompt_len + int(ends[0]) + 1, "stop"
                 generated += keep - req.prompt_len
                 if req.row is not None:
-                    row, req.row = req.row, None
                     computed = 0 if self.opaque else min(req.computed_len, keep)
+                    if manager.state_slots is not None and computed and not failed:  # a later turn's hit
+                        hold_end_snapshot(manager, req, computed)
+                    row, req.row = req.row, None
                     manager.cache_req(row, req.ids, computed, finished=True)
                 req.status, req.finish_reason = RequestStatus.FINISHED, reason
         return generated

@@ -2,7 +2,9 @@
 
 `RadixGenerateCache` is a `RadixCache` (generate receives it as its `past_key_values`): it reads each
 padded step of generate and turns it into the rows of a step for the model-runner core. The call's rows
-are requests (`GenerateRows`); rows with a duplicated prompt are computed once (`DuplicatePrompts`).
+are requests (`GenerateRows`); rows with a duplicated prompt are computed once (`DuplicatePrompts`). On a
+hybrid model the prompts run as forwards of rows with equal lengths, and rows keep state snapshots for the
+tree (`HybridSteps`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from ..forward.forward_context import current_forward, model_attention, radix_fo
 from ..forward.model_runner import ModelRunner
 from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..scheduling.row_tokens import host_inputs
+from .generate_hybrid import HybridSteps
 from .generate_rows import GenerateRows
 
 if TYPE_CHECKING:
@@ -58,6 +61,8 @@ class RadixGenerateCache(RadixCache):
         self.num_return_sequences = num_return_sequences
         self.supports_logits_to_keep = logits_to_keep
         self.rows = GenerateRows(engine)
+        # a hybrid model's prompts as forwards of equal-length rows, and its held snapshots
+        self.hybrid = HybridSteps(self.rows, self.eos_token_ids) if engine.hybrid else None
         self.seen = 0  # padded length generate has handed us so far
         self.steps = 0  # generate's forwards done (each is followed by one sampled token per row)
         self.finished = False
@@ -93,10 +98,11 @@ class RadixGenerateCache(RadixCache):
             _wait_for(ahead[2])
         if ahead is not None and ahead[1] is not None:
             logits = ahead[1]
+        elif self.hybrid is not None and self.steps == 0:  # prompts: rows of equal lengths a forward
+            ends = {b: self.rows.tokens.length(b) for b in self.rows.compute_rows()}
+            logits = self.hybrid.run(ends, functools.partial(self._forward_rows, inner=inner, kwargs=kwargs))
         elif self._embeds is not None:  # the prompt as embeddings: no graph (they take ids)
-            step, embeds = self._make_step(None, logits=True)
-            eager = functools.partial(self._eager, embeds=embeds, inner=inner, kwargs=kwargs)
-            logits = self.model_runner.forward(step, eager, graphs=False)
+            logits = self._forward_rows(None, inner=inner, kwargs=kwargs)
         else:
             step = self.rows.step()
             self.rows.allocate(step, self.steps)
@@ -113,6 +119,8 @@ class RadixGenerateCache(RadixCache):
             self._embeds = None
             self.rows.cache_prompts()
             self._logits_rows = None
+        if self.hybrid is not None:
+            self.hybrid.hold_page_ends()
         self.steps += 1
         self._prepare_next()
         return output
@@ -208,14 +216,16 @@ class RadixGenerateCache(RadixCache):
         """Generate's own model call on a packed batch (the step no graph runs, a prefill chunk); its packed
         logits."""
         call = {key: value for key, value in kwargs.items() if key != "cache_position"}
-        self.batch = batch
+        self.batch, self.state_batch = batch, batch.state_batch
         try:
             call.update(self._model_inputs(batch, embeds))
             call["attention_mask"] = None
             with radix_forward(self):
                 logits = inner(**call).logits[0]
+            if self.state_batch is not None:  # the rows' states back into their slots
+                self.state_batch.flush()
         finally:
-            self.batch = None
+            self.batch = self.state_batch = None
         if not self.supports_logits_to_keep:
             logits = logits[batch.logits_indices]
         return logits
@@ -277,6 +287,13 @@ class RadixGenerateCache(RadixCache):
             packed = torch.cat([self._embeds[r.index][r.computed_len:ends[r.index]] for r in reqs])[None]
         return step, packed
 
+    def _forward_rows(self, ends: dict[int, int] | None, inner: Callable, kwargs: dict) -> torch.Tensor:
+        """One eager forward of rows `b` from their computed length to `ends[b]` (default: every computing
+        row to its end); the logits of each row's last token."""
+        step, embeds = self._make_step(ends, logits=True)
+        eager = functools.partial(self._eager, embeds=embeds, inner=inner, kwargs=kwargs)
+        return self.model_runner.forward(step, eager, graphs=False)
+
     def _model_inputs(self, batch: ForwardBatch, embeds: torch.Tensor | None) -> dict:
         inputs = {
             "input_ids": batch.input_ids[None] if embeds is None else None,
@@ -304,9 +321,12 @@ class RadixGenerateCache(RadixCache):
                     break
             if not ends:
                 return
+            kwargs = {"use_cache": True, "return_dict": True}
+            if self.hybrid is not None:  # rows of equal lengths a forward; they note what they computed
+                self.hybrid.run(ends, functools.partial(self._forward_rows, inner=module, kwargs=kwargs))
+                continue
             step, embeds = self._make_step(ends, logits=False)
-            chunk = functools.partial(self._eager, embeds=embeds, inner=module,
-                                      kwargs={"use_cache": True, "return_dict": True})
+            chunk = functools.partial(self._eager, embeds=embeds, inner=module, kwargs=kwargs)
             self.model_runner.forward(step, chunk, graphs=False)
             for b, end in ends.items():
                 self.rows.reqs[b].computed_len = end
@@ -314,7 +334,8 @@ class RadixGenerateCache(RadixCache):
     def finish(self, sequences: torch.Tensor | None = None) -> None:
         """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
 
-        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw.
+        `sequences` (generate's output) supplies each row's last sampled token, which no forward saw; None:
+        generate failed.
         """
         if self.finished:
             return
@@ -326,7 +347,7 @@ class RadixGenerateCache(RadixCache):
         size = len(self.rows)
         if self.steps and sequences is not None and sequences.dim() == 2 and sequences.shape[0] == size:
             last = sequences[:, -1].tolist()
-        self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids)
+        self.engine.stats.generated_tokens += self.rows.release(last, self.eos_token_ids, sequences is None)
         if self._started is not None:
             self.engine.stats.wall_time += time.perf_counter() - self._started
 

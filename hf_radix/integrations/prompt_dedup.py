@@ -57,6 +57,9 @@ class DuplicatePrompts:
             src = manager.row_slots(reqs[leader].row)[handle.cached_len : end].astype(np.int64)
             dst = manager.row_slots(req.row)[handle.cached_len : end].astype(np.int64)
             engine.pool.copy_slots(src, dst)
+            if manager.state_slots is not None:  # a hybrid model: the leader's state after the prompt
+                leader_state = manager.row_state_slot(reqs[leader].row)
+                manager.state_slots.pool.copy_slot(leader_state, manager.row_state_slot(req.row))
             req.computed_len = req.cached_len = end
             manager.cache_req(req.row, prompt, end, finished=False)
         self.followers.clear()

@@ -151,18 +151,6 @@ class StepCompleter:
         req.fail(message)
         self._bar.update(1)
 
-    def _snapshot_end(self, req: Req, cached: int) -> None:
-        """A hybrid model's row: keeps its state as the snapshot at the end of what it caches (prompt and
-        answer: a follow-up turn hits it) when its forwards ended exactly there, at a page multiple, and a
-        state slot is free or evictable; the release's `cache_req` attaches it."""
-        manager = self.manager
-        if (
-            req.computed_len == cached > manager.row_cached_len(req.row)
-            and cached % manager.page_size == 0
-            and manager.state_slots.available
-        ):
-            manager.hold_snapshot(req.row, cached)
-
     def release(self, req: Req, reason: str) -> None:
         """The single exit of an admitted request: cache what is reusable, free the rest, unlock; FINISHED.
 
@@ -174,7 +162,7 @@ class StepCompleter:
             known = req.num_tokens - (1 if req.num_generated else 0)
             cached = min(req.computed_len, known)
             if self.manager.state_slots is not None and reason != "abort":
-                self._snapshot_end(req, cached)
+                hold_end_snapshot(self.manager, req, cached)
             self.manager.cache_req(req.row, req.ids, cached, finished=True)
             req.row = None
         self.sampler.drop(req.index)
@@ -182,3 +170,15 @@ class StepCompleter:
             self.stop_strings.drop(req.index)
         req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self._bar.update(1)
+
+
+def hold_end_snapshot(manager: CacheManager, req: Req, cached: int) -> None:
+    """A hybrid model's row at release: keeps its state as the snapshot at the end of what it caches
+    (prompt and answer: a follow-up turn hits it) when its forwards ended exactly there, at a page multiple,
+    and a state slot is free or evictable; the release's `cache_req` attaches it."""
+    if (
+        req.computed_len == cached > manager.row_cached_len(req.row)
+        and cached % manager.page_size == 0
+        and manager.state_slots.available
+    ):
+        manager.hold_snapshot(req.row, cached)
