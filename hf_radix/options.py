@@ -58,6 +58,10 @@ class EngineOptions:
         None, "hybrid models: state slots for running requests and prefix snapshots (None: a quarter of the "
         "K/V budget, 16 to 1024)"
     )
+    deterministic: bool = _option(
+        False, "batch-invariant forward: a request's tokens and log-likelihoods are bit-identical whatever "
+        "else runs with it (docs/deterministic.md)"
+    )
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:
