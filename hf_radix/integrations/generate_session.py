@@ -212,7 +212,7 @@ class RadixGenerateCache(RadixCache):
         try:
             call.update(self._model_inputs(batch, embeds))
             call["attention_mask"] = None
-            with radix_forward(self):
+            with radix_forward(self), self.engine.forward_ops():
                 logits = inner(**call).logits[0]
         finally:
             self.batch = None
