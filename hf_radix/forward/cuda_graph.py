@@ -87,8 +87,8 @@ class _CapturedForwards(abc.ABC):
         self.table = engine.manager.table
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.fused_ops = fused_ops
-        # whole contexts or cached prefixes: the slot lists the kernels read (`reads_context`)
-        self.context = engine.backend.reads_context(self.decode, False)
+        # the kernels read whole contexts (decode; every step in deterministic mode) or cached prefixes
+        self.context = self.decode or engine.options.deterministic
         # a row's context in a graph: up to the model's context (generate may go past it: eagerly)
         self.kv_bound = min(self.table.max_width, engine.max_context)
         self.capture = engine.device.type == "cuda"
