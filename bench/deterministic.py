@@ -82,8 +82,10 @@ def configurations(model, prompts, others, params, pairs, pool: int, small_pool:
     order = list(range(n + len(others)))
     interleaved = sorted(order, key=lambda i: (i % 4, i))  # the 64 spread among the others
     runner.reset_cache()
-    lp = [x for x, _ in runner.loglikelihood(other_pairs[:64] + pairs + other_pairs[64:], progress=False)]
-    results["batch256"] = list(zip(_run(runner, prompts, params, others, interleaved), lp[64:64 + n]))
+    front = len(other_pairs) // 3
+    mixed = other_pairs[:front] + pairs + other_pairs[front:]
+    lp = [x for x, _ in runner.loglikelihood(mixed, progress=False)]
+    results["batch256"] = list(zip(_run(runner, prompts, params, others, interleaved), lp[front:front + n]))
     runner.reset_cache()
     lp = [x for x, _ in runner.loglikelihood(pairs[::-1], progress=False)][::-1]
     results["reversed"] = list(zip(_run(runner, prompts, params, others, interleaved[::-1]), lp))

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..kernels import triton_runs_on
 
-LINEAR_ROWS = 128  # rows of every product: a decode batch up to this size costs one weight read
+LINEAR_ROWS = 256  # rows of every product: decode batches up to this size read the weights once
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
