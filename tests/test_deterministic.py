@@ -185,6 +185,7 @@ def check_runner() -> dict:
     _row_uniform_dot()
     from hf_radix import RadixBatchRunner, SamplingParams
     from hf_radix.attention import InvariantBackend
+    from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
     from hf_radix.tiny import tiny_model
 
     model = tiny_model("llama", num_hidden_layers=2)
@@ -200,6 +201,7 @@ def check_runner() -> dict:
     first = runner()
     assert isinstance(first.engine.backend, InvariantBackend)
     assert not first.engine.model_runner.shared_prefix
+    assert ExtendGraphs(first.engine).context and DecodeGraphs(first.engine, 4).context
     alone = [first.run([p], params, progress=False)[0].token_ids for p in prompts[:2]]
     first.reset_cache()
     batch = [o.token_ids for o in first.run(prompts, params, progress=False)]

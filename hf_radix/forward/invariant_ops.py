@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 from ..kernels import triton_runs_on
 
 LINEAR_ROWS = 256  # rows of every product: decode batches up to this size read the weights once
+_ALIGN = 256  # bytes: every product's input starts as aligned as a fresh allocation's chunks
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,8 +34,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     padded = -(-n // LINEAR_ROWS) * LINEAR_ROWS
     if padded != n or n == 0:
         rows = torch.cat([rows, rows.new_zeros(max(padded, LINEAR_ROWS) - n, rows.shape[1])])
-    elif not rows.is_contiguous():
-        rows = rows.contiguous()
+    elif not rows.is_contiguous() or rows.data_ptr() % _ALIGN:  # a GEMM's pick may follow the alignment
+        rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
     parts = [F.linear(rows[i : i + LINEAR_ROWS], weight, bias) for i in range(0, rows.shape[0], LINEAR_ROWS)]
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[:n].view(*x.shape[:-1], weight.shape[0])
