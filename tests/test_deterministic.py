@@ -72,7 +72,7 @@ def test_override_scoped_to_block_and_thread(monkeypatch: pytest.MonkeyPatch) ->
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     other: list[int] = []
-    with pytest.raises(RuntimeError, match="boom"), inv.invariant_ops():
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), inv.invariant_ops():
         layer(x)
         thread = threading.Thread(target=lambda: other.append(_active_modes()) or layer(x))
         thread.start()
@@ -80,7 +80,7 @@ def test_override_scoped_to_block_and_thread(monkeypatch: pytest.MonkeyPatch) ->
         raise RuntimeError("boom")
     assert calls == [1] and other == [0]  # the other thread ran the plain linear
     assert _active_modes() == 0
-    layer(x)
+    layer(x)  # with autograd again: the plain linear
     assert calls == [1]
 
 

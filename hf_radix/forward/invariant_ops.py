@@ -28,7 +28,8 @@ _ALIGN = 256  # bytes: every product's input starts as aligned as a fresh alloca
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` computed in products of exactly `LINEAR_ROWS` rows each."""
+    """`F.linear(x, weight, bias)` computed in products (`mm`, `addmm`) of exactly `LINEAR_ROWS` rows each;
+    without autograd (radix forwards run under inference mode or no_grad)."""
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     padded = -(-n // LINEAR_ROWS) * LINEAR_ROWS
@@ -36,8 +37,14 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         rows = torch.cat([rows, rows.new_zeros(max(padded, LINEAR_ROWS) - n, rows.shape[1])])
     elif not rows.is_contiguous() or rows.data_ptr() % _ALIGN:  # a GEMM's pick may follow the alignment
         rows = rows.contiguous() if not rows.is_contiguous() else rows.clone()
-    parts = [F.linear(rows[i : i + LINEAR_ROWS], weight, bias) for i in range(0, rows.shape[0], LINEAR_ROWS)]
-    out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    out = rows.new_empty(rows.shape[0], weight.shape[0])  # each product writes its rows in place
+    weight_t = weight.t()
+    for i in range(0, rows.shape[0], LINEAR_ROWS):
+        part = slice(i, i + LINEAR_ROWS)
+        if bias is None:
+            torch.mm(rows[part], weight_t, out=out[part])
+        else:
+            torch.addmm(bias, rows[part], weight_t, out=out[part])
     return out[:n].view(*x.shape[:-1], weight.shape[0])
 
 
