@@ -100,8 +100,6 @@ class InvariantBackend(TritonBackend):
     """Deterministic mode: one batch-invariant kernel for every row, over whole contexts
     (`kernels.triton_invariant_attention`); no shared-prefix reads, no splits along the keys."""
 
-    deterministic = True
-
     def __init__(self):
         super().__init__()
         from .kernels import triton_invariant_attention

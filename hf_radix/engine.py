@@ -57,7 +57,7 @@ class RadixEngine:
         text_config = model.config.get_text_config(decoder=True)
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         self.vocab_size = text_config.vocab_size
-        self.tp_group = tp_group(model)  # tensor parallel: this rank's KV heads
+        self.tp_group = tp_group(model)  # multi-GPU hooks: this rank's KV heads; a device map's layer devices
         shape = local_kv_shape(model, support.kv_shape)
         self.backend = make_backend(self.options.attn_backend, device, self.options.deterministic)
         # hybrid models: the state layers' per-request states, in a pool allocated before the K/V pool
@@ -72,7 +72,7 @@ class RadixEngine:
             self.options.mem_fraction, self.options.store_backend, self.tp_group, self.graph_reserve,
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
-        self.scratch_slot = num_pages * page_size
+        self.scratch_slot = num_pages * page_size  # a page past the managed ones: padded graph rows
         self.manager = CacheManager(
             num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context,
             state_pool=self.state_pool,
