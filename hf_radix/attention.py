@@ -9,6 +9,7 @@ from transformers.utils import logging
 from .capability import REFUSED_ATTENTION_KWARGS, count_attention_call
 from .errors import UnsupportedModelError
 from .forward.forward_context import ATTENTION_NAME, current_forward
+from .kernels import triton_runs_on
 from .memory.placement import layer_device
 from .paged_attention.backend import AttentionBackend
 from .paged_attention.latent import expanded_attention_inputs
@@ -95,10 +96,41 @@ class TritonBackend:
         )
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolves a backend name; "auto" is Triton on CUDA when importable, the torch reference otherwise."""
+class InvariantBackend(TritonBackend):
+    """Deterministic mode: one batch-invariant kernel for every row, over whole contexts
+    (`kernels.triton_invariant_attention`); no shared-prefix reads, no splits along the keys."""
+
+    def __init__(self):
+        super().__init__()
+        from .kernels import triton_invariant_attention
+
+        self._invariant = triton_invariant_attention
+
+    def reads_context(self, decode: bool, latent: bool) -> bool:
+        return True
+
+    def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
+        return self._invariant.invariant_attention(
+            q, k_cache, v_cache, batch.qo_indptr, batch.kv_indices, batch.kv_indptr, scaling,
+            sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        )
+
+
+def make_backend(name: str, device: torch.device, deterministic: bool = False) -> AttentionBackend:
+    """Resolves a backend name; "auto" is Triton on CUDA when importable, the torch reference otherwise.
+
+    `deterministic`: the batch-invariant Triton backend; refused (ValueError) where Triton cannot run.
+    """
     if name not in BACKENDS:
         raise ValueError(f"attn_backend must be one of {BACKENDS}, got {name!r}")
+    if deterministic:
+        if name == "torch" or not triton_runs_on(torch.empty(0, device=device)):
+            raise ValueError(
+                "deterministic=True needs the Triton attention backend on a CUDA device (attn_backend "
+                f"'auto' or 'triton'; got {name!r} on {device}): the torch reference's reductions depend on "
+                "the batch"
+            )
+        return InvariantBackend()
     if name == "auto":
         if device.type != "cuda":
             return TorchBackend()

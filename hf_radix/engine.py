@@ -17,6 +17,7 @@ from .errors import TrainingModeError
 from .forward.forward_context import attention_configs, radix_attention, radix_forward
 from .forward.fused_ops import fused_norm_and_rope
 from .forward.hybrid import hybrid_state_pool
+from .forward.invariant_ops import invariant_ops, refuse_deterministic
 from .forward.model_runner import ModelRunner, graph_memory_bytes
 from .forward.tensor_parallel import local_kv_shape, sync_tokens, tp_group
 from .memory.cache_manager import CacheManager
@@ -56,15 +57,13 @@ class RadixEngine:
         text_config = model.config.get_text_config(decoder=True)
         self.max_context = getattr(text_config, "max_position_embeddings", None) or 1 << 62
         self.vocab_size = text_config.vocab_size
-        # multi-GPU hooks: KV heads of this rank's tensor-parallel shard; per-layer devices of a device map
-        self.tp_group = tp_group(model)
-        # One extra page past the managed ones: padded rows of captured graphs write there.
+        self.tp_group = tp_group(model)  # multi-GPU hooks: this rank's KV heads; a device map's layer devices
         shape = local_kv_shape(model, support.kv_shape)
         # the pool's K/V layer of each decoder layer (a hybrid model's state layers have none: -1)
         self.kv_layer_index = [-1] * (support.kv_layer_ids[-1] + 1)
         for kv_layer, layer_idx in enumerate(support.kv_layer_ids):
             self.kv_layer_index[layer_idx] = kv_layer
-        self.backend = make_backend(self.options.attn_backend, device)
+        self.backend = make_backend(self.options.attn_backend, device, self.options.deterministic)
         # hybrid models: the state layers' per-request states, in a pool allocated before the K/V pool
         self.hybrid = hybrid_model_type(model) is not None
         self.state_pool = (
@@ -77,7 +76,7 @@ class RadixEngine:
             self.options.mem_fraction, self.options.store_backend, self.tp_group, self.graph_reserve,
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
-        self.scratch_slot = num_pages * page_size
+        self.scratch_slot = num_pages * page_size  # a page past the managed ones: padded graph rows
         self.manager = CacheManager(
             num_pages, page_size, device=device, scratch_slot=self.scratch_slot, row_tokens=self.max_context,
             state_pool=self.state_pool,
@@ -88,6 +87,8 @@ class RadixEngine:
             if self.hybrid:
                 raise NotImplementedError("hf_radix: the host-memory tier is not wired for hybrid models yet")
         self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+        if self.options.deterministic:
+            refuse_deterministic(self.hybrid, self.single_device, shape.latent)
         if self.host_tier is not None:
             self.host_tier.attach(self.manager)
         _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
@@ -183,7 +184,8 @@ class RadixEngine:
             options = self.options
             self._model_runner = ModelRunner(
                 self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
-                fused_ops=options.fused_ops, shared_prefix=options.shared_prefix,
+                fused_ops=options.fused_ops and not options.deterministic,  # deterministic: HF's norms
+                shared_prefix=options.shared_prefix and not options.deterministic,
             )
         return self._model_runner
 
@@ -198,11 +200,11 @@ class RadixEngine:
         if self.hybrid and batch.state_batch is None:
             raise RuntimeError("a hybrid model's forward needs the rows' state slots (batch.state_batch)")
         fused = (  # not for hybrid models yet: their norms are not all Llama-style (untested on GPU)
-            self.options.fused_ops and self.single_device and self.device.type == "cuda"
-            and self.backend.name == "triton" and not self.hybrid
+            self.options.fused_ops and not self.options.deterministic and self.single_device
+            and self.device.type == "cuda" and self.backend.name == "triton" and not self.hybrid
         )
         with (
-            self.radix_attention(), radix_forward(cache), torch.inference_mode(),
+            self.radix_attention(), radix_forward(cache), torch.inference_mode(), self.forward_ops(),
             fused_norm_and_rope(self.model) if fused else contextlib.nullcontext(),
         ):
             out = self.model(
@@ -215,6 +217,10 @@ class RadixEngine:
             if batch.state_batch is not None:  # the states the layers read, updated or wrote in place
                 batch.state_batch.flush()
         return out.logits[0].to(self.device)  # a device map may end on another device
+
+    def forward_ops(self) -> contextlib.AbstractContextManager:
+        """Deterministic mode: the model runs batch-invariant products and means (`forward.invariant_ops`)."""
+        return invariant_ops() if self.options.deterministic else contextlib.nullcontext()
 
     def radix_attention(self) -> contextlib.AbstractContextManager:
         """The model reads the "radix" attention in this thread (only) for the duration of the block."""
@@ -283,7 +289,7 @@ class RadixEngine:
         The model-runner core is rebuilt on next use (its graphs were captured with the old backends: they
         are released now).
         """
-        self.backend = make_backend(options.attn_backend, self.device)
+        self.backend = make_backend(options.attn_backend, self.device, options.deterministic)
         self.pool.store_backend = options.store_backend
         self.options = options
         self._release_model_runner()

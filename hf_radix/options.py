@@ -62,6 +62,10 @@ class EngineOptions:
         4096, "hybrid models: also snapshot a long prompt's state every this many tokens (0: only at branch "
         "points and prompt ends)"
     )
+    deterministic: bool = _option(
+        False, "batch-invariant forward: a request's tokens and log-likelihoods are bit-identical whatever "
+        "else runs with it (docs/deterministic.md)"
+    )
 
     def __post_init__(self):
         if not isinstance(self.page_size, int) or self.page_size < 1:

@@ -8,10 +8,12 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import fresh_model
 
 import hf_radix
 from hf_radix import EngineOptions, RadixBatchRunner, SamplingParams
+from hf_radix.kernels import triton_runs_on
 from hf_radix.options import options_table
 from hf_radix.tiny import tiny_tokenizer
 
@@ -32,9 +34,16 @@ NON_DEFAULT = {
     "host_cache_gb": 0.001,
     "state_slots": 32,
     "state_snapshot_interval": 512,
+    "deterministic": True,
 }
 FIELDS = [f.name for f in dataclasses.fields(EngineOptions)]
 RUNNER_ONLY = ("cuda_graph", "warm_up")  # taken by the runner for itself (as before), not set on the engine
+# valid where Triton runs (CUDA, or the interpreter): on a plain CPU the engine refuses it, naming Triton
+NEEDS_TRITON = ("deterministic",)
+
+
+def _refused_here(name: str) -> bool:
+    return name in NEEDS_TRITON and not triton_runs_on(torch.empty(0))
 
 
 def _options(name: str) -> dict:
@@ -50,12 +59,20 @@ def test_every_field_has_a_non_default_test_value_and_a_doc():
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_configure_takes_every_engine_option(name):
+    if _refused_here(name):
+        with pytest.raises(ValueError, match="Triton"):
+            hf_radix.configure(fresh_model("llama"), **_options(name))
+        return
     engine = hf_radix.configure(fresh_model("llama"), **_options(name))
     assert getattr(engine.options, name) == NON_DEFAULT[name]
 
 
 @pytest.mark.parametrize("name", FIELDS)
 def test_runner_takes_every_engine_option(name):
+    if _refused_here(name):
+        with pytest.raises(ValueError, match="Triton"):
+            RadixBatchRunner(fresh_model("llama"), **_options(name))
+        return
     runner = RadixBatchRunner(fresh_model("llama"), **_options(name))
     if name in RUNNER_ONLY:
         assert getattr(runner, f"_{name}") is NON_DEFAULT[name]
@@ -126,6 +143,10 @@ def test_lm_eval_takes_every_engine_option_as_a_string(name):
     from hf_radix.lm_eval_backend import HFRadixLM
 
     options = {key: str(value) for key, value in _options(name).items()}  # as on the command line
+    if _refused_here(name):
+        with pytest.raises(ValueError, match="Triton"):
+            HFRadixLM(pretrained=fresh_model("llama"), tokenizer=tiny_tokenizer(), max_length=64, **options)
+        return
     lm = HFRadixLM(pretrained=fresh_model("llama"), tokenizer=tiny_tokenizer(), max_length=64, **options)
     if name in RUNNER_ONLY:
         assert getattr(lm.runner, f"_{name}") is NON_DEFAULT[name]

@@ -87,6 +87,8 @@ class _CapturedForwards(abc.ABC):
         self.table = engine.manager.table
         self.max_rows, self.max_tokens = max_rows, max_tokens
         self.fused_ops = fused_ops
+        # the kernels read whole contexts (decode; every step in deterministic mode) or cached prefixes
+        self.context = self.decode or engine.options.deterministic
         # a row's context in a graph: up to the model's context (generate may go past it: eagerly)
         self.kv_bound = min(self.table.max_width, engine.max_context)
         self.capture = engine.device.type == "cuda"
@@ -138,7 +140,7 @@ class _CapturedForwards(abc.ABC):
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(key)
-        build_forward_batch(self.table, padded, self.decode, into=captured[2])
+        build_forward_batch(self.table, padded, self.context, into=captured[2])
         self.loads += 1
         return self._replay(captured, real_rows)
 
@@ -159,7 +161,7 @@ class _CapturedForwards(abc.ABC):
         padding = self._padding_only(key)
         rows, tokens = padding.batch_size, padding.num_tokens
         inputs = GraphInputs(self._block, self._kv, rows, tokens, key[0], self.decode)
-        batch = build_forward_batch(self.table, padding, self.decode, into=inputs)
+        batch = build_forward_batch(self.table, padding, self.context, into=inputs)
         self.loads += 1
         # the kernels' launch sizes (split counts) for the longest context a replay may bring
         batch = dataclasses.replace(batch, max_kv_len=self.kv_bound)

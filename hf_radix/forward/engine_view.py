@@ -3,6 +3,7 @@ model runner, the graphs, the shared-prefix planner and the cache depend on it, 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Protocol
 
 import torch
@@ -39,6 +40,8 @@ class ForwardEngine(Protocol):
     def captures_graphs(self) -> bool: ...
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+    def forward_ops(self) -> contextlib.AbstractContextManager: ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 

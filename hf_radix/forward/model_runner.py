@@ -197,7 +197,7 @@ class ModelRunner:
         """The log-probability of each target token at its logits row and whether it is the greedy one,
         computed on the device; returns their host copies (`sample`'s lifetime)."""
         index, target = self.engine.manager.table.upload([rows, targets])
-        logp, greedy = target_logprobs(logits, index, target)
+        logp, greedy = target_logprobs(logits, index, target, fixed_shape=self.engine.options.deterministic)
         return copy_to_host(logp.double()), copy_to_host(greedy)
 
     def upload(self, values: np.ndarray) -> torch.Tensor:

@@ -220,7 +220,7 @@ class RadixGenerateCache(RadixCache):
         try:
             call.update(self._model_inputs(batch, embeds))
             call["attention_mask"] = None
-            with radix_forward(self):
+            with radix_forward(self), self.engine.forward_ops():
                 logits = inner(**call).logits[0]
             if self.state_batch is not None:  # the rows' states back into their slots
                 self.state_batch.flush()

@@ -14,11 +14,14 @@ CHUNK_BYTES = 256 << 20  # fp32 working set of one chunk of rows
 
 
 def target_logprobs(
-    logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None
+    logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None,
+    fixed_shape: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each `i`: `log_softmax(logits[rows[i]].float())[targets[i]]` and whether it is the argmax.
 
     `rows` and `targets` are int64 `[N]` on the logits' device; returns fp32 `[N]` and bool `[N]`.
+    `fixed_shape` (deterministic mode): every chunk has the same row count (the last one padded with copies
+    of a row), so the same kernels, launched alike, compute every row whatever N is.
     """
     vocab = logits.shape[-1]
     step = chunk_rows or max(1, CHUNK_BYTES // (4 * vocab))
@@ -26,8 +29,11 @@ def target_logprobs(
     greedy = torch.empty(rows.shape[0], dtype=torch.bool, device=logits.device)
     for start in range(0, rows.shape[0], step):
         end = min(start + step, rows.shape[0])
-        x = logits.index_select(0, rows[start:end]).float()
-        target = targets[start:end, None]
-        greedy[start:end] = (x.argmax(dim=-1, keepdim=True) == target)[:, 0]
-        logprobs[start:end] = x.log_softmax(dim=-1).gather(-1, target)[:, 0]
+        index, target = rows[start:end], targets[start:end, None]
+        if fixed_shape and end - start < step:
+            index = torch.cat([index, index[:1].expand(step - (end - start))])
+            target = torch.cat([target, target[:1].expand(step - (end - start), 1)])
+        x = logits.index_select(0, index).float()
+        greedy[start:end] = (x.argmax(dim=-1, keepdim=True) == target)[: end - start, 0]
+        logprobs[start:end] = x.log_softmax(dim=-1).gather(-1, target)[: end - start, 0]
     return logprobs, greedy

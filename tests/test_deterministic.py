@@ -1,0 +1,230 @@
+"""Deterministic mode on the CPU: the option's plumbing and refusals, the scoped overrides, and (Triton
+interpreter, one subprocess) the invariant attention, row mean and a whole runner bit for bit.
+
+The interpreter computes `tl.dot` with numpy's BLAS, whose result for a row depends on the row's place in
+the tile; a GPU's matrix instructions compute every row alike. The interpreter checks therefore run with a
+row-uniform dot (`_row_uniform_dot`), so what they test is the kernels' own order: key blocks, masks,
+tiles.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from interpreter import interpreter_test, report_checks
+
+from hf_radix.attention import make_backend
+from hf_radix.forward import invariant_ops as inv
+from hf_radix.lm_eval_backend.model_args import engine_options
+from hf_radix.options import EngineOptions
+from hf_radix.scheduling.logprobs import target_logprobs
+
+
+def test_option_default_and_conversion() -> None:
+    assert EngineOptions().deterministic is False
+    assert EngineOptions.convert("deterministic", "true") is True
+    args = {"deterministic": "True", "page_size": "16"}
+    assert engine_options(args) == {"deterministic": True, "page_size": 16}
+
+
+def test_refusals() -> None:
+    with pytest.raises(ValueError, match="Triton"):
+        make_backend("torch", torch.device("cpu"), deterministic=True)
+    with pytest.raises(ValueError, match="hybrid.*several devices"):
+        inv.refuse_deterministic(True, False, False)
+    with pytest.raises(ValueError, match="MLA"):
+        inv.refuse_deterministic(False, True, True)
+    inv.refuse_deterministic(False, True, False)
+
+
+def test_configure_refuses_off_triton() -> None:
+    import hf_radix
+    from hf_radix.tiny import tiny_model
+
+    with pytest.raises(ValueError, match="deterministic=True needs the Triton"):
+        hf_radix.configure(tiny_model("llama", num_hidden_layers=1), deterministic=True, attn_backend="torch")
+
+
+@pytest.mark.parametrize("rows", [1, 5, 255, 256, 257, 600])
+def test_invariant_linear_rows(rows: int) -> None:
+    torch.manual_seed(0)
+    x, w, b = torch.randn(1, rows, 64), torch.randn(48, 64), torch.randn(48)
+    out = inv.invariant_linear(x, w, b)
+    torch.testing.assert_close(out, F.linear(x, w, b))
+    assert out.shape == (1, rows, 48)
+    for i in {0, rows // 2, rows - 1}:
+        assert torch.equal(out[0, i], inv.invariant_linear(x[:, i], w, b)[0])
+
+
+def _active_modes() -> int:
+    return len(torch.overrides._get_current_function_mode_stack())
+
+
+def test_override_scoped_to_block_and_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    original = inv.invariant_linear
+    monkeypatch.setattr(inv, "invariant_linear", lambda x, *a, **k: calls.append(1) or original(x, *a, **k))
+    layer = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    other: list[int] = []
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), inv.invariant_ops():
+        layer(x)
+        thread = threading.Thread(target=lambda: other.append(_active_modes()) or layer(x))
+        thread.start()
+        thread.join()
+        raise RuntimeError("boom")
+    assert calls == [1] and other == [0]  # the other thread ran the plain linear
+    assert _active_modes() == 0
+    layer(x)  # with autograd again: the plain linear
+    assert calls == [1]
+
+
+def test_mean_left_alone_where_triton_cannot_run() -> None:
+    x = torch.randn(4, 6)
+    with inv.invariant_ops():
+        assert torch.equal(x.mean(-1, keepdim=True), x.mean(-1, keepdim=True))
+        assert x.mean(0).shape == (6,)
+
+
+@pytest.mark.parametrize("n", [1, 3, 7, 8])
+def test_logprobs_fixed_shape(n: int) -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(10, 50)
+    rows, targets = torch.randint(0, 10, (n,)), torch.randint(0, 50, (n,))
+    plain = target_logprobs(logits, rows, targets, chunk_rows=4)
+    fixed = target_logprobs(logits, rows, targets, chunk_rows=4, fixed_shape=True)
+    torch.testing.assert_close(fixed[0], plain[0])
+    assert torch.equal(fixed[1], plain[1])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Interpreter checks (one TRITON_INTERPRET=1 subprocess)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _row_uniform_dot() -> None:
+    """`tl.dot` in the interpreter computing every row the same way (as GPU matrix instructions do)."""
+    import triton.runtime.interpreter as interp
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.einsum("ik,kj->ij", a.data.astype(np.float32), b.data.astype(np.float32), optimize=False)
+        return interp.TensorHandle(out.astype(d.data.dtype) + d.data, d.dtype.scalar)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def _attention(rows, kc, vc, **kwargs) -> torch.Tensor:
+    """Runs the invariant kernel on rows given as (context slots, new tokens, the row's queries)."""
+    from hf_radix.kernels.triton_invariant_attention import invariant_attention
+
+    qo, kv, kvp = [0], [], [0]
+    for slots, new, _ in rows:
+        qo.append(qo[-1] + new)
+        kv += slots
+        kvp.append(kvp[-1] + len(slots))
+    q = torch.cat([qs[len(qs) - new:] for _, new, qs in rows])
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    return invariant_attention(q, kc, vc, i32(qo), torch.tensor(kv), i32(kvp), 0.3, **kwargs)
+
+
+def _reference(q, k, v, group: int, window: int | None) -> torch.Tensor:
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n = q.shape[0]
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * 0.3
+    pos = torch.arange(n)
+    hidden = pos[None, :] > pos[:, None]
+    if window:
+        hidden |= pos[:, None] - pos[None, :] >= window
+    return torch.einsum("hnl,lhd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
+
+
+def check_attention(window: int | None = None) -> dict:
+    """Each token of a 37-token context alone (decode after a cached prefix), in one prefill, and in a
+    batch with other rows: bit-identical, and equal to the reference."""
+    _row_uniform_dot()
+    torch.manual_seed(0)
+    kc, vc = torch.randn(200, 2, 16), torch.randn(200, 2, 16)
+    slots = torch.randperm(200)[:37].tolist()
+    q = torch.randn(37, 4, 16)
+    kw = {"sliding_window": window}
+    whole = _attention([(slots, 37, q)], kc, vc, **kw)
+    ref = _reference(q, kc[slots], vc[slots], 2, window)
+    torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
+    for n in range(1, 38):
+        alone = _attention([(slots[:n], 1, q[:n])], kc, vc, **kw)
+        assert torch.equal(alone[0], whole[n - 1]), n
+    other = torch.randn(50, 4, 16)
+    mixed = _attention([(list(range(50)), 20, other), (slots[:30], 9, q[:30]), (slots, 1, q)], kc, vc, **kw)
+    assert torch.equal(mixed[20:29], whole[21:30]) and torch.equal(mixed[29], whole[36])
+    return {"ok": True}
+
+
+def check_row_mean() -> dict:
+    from hf_radix.kernels.triton_row_mean import row_mean
+
+    torch.manual_seed(0)
+    x = torch.randn(9, 2500)
+    out = row_mean(x, keepdim=True)
+    torch.testing.assert_close(out, x.mean(-1, keepdim=True))
+    with inv.invariant_ops():
+        routed = x.pow(2).mean(-1, keepdim=True)
+    assert torch.equal(routed, row_mean(x.pow(2), keepdim=True))
+    for i in (0, 4, 8):
+        assert torch.equal(row_mean(x[i : i + 1])[0], out[i, 0])
+    return {"ok": True}
+
+
+def check_runner() -> dict:
+    """A tiny Llama in deterministic mode: tokens and log-likelihoods alone, in a batch, in reverse order
+    after a warm cache, and with pages of 4 and prefill chunks of 16 tokens, bit for bit."""
+    _row_uniform_dot()
+    from hf_radix import RadixBatchRunner, SamplingParams
+    from hf_radix.attention import InvariantBackend
+    from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+    from hf_radix.tiny import tiny_model
+
+    model = tiny_model("llama", num_hidden_layers=2)
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(5, 300, (40,), generator=gen).tolist()
+    prompts = [prefix + torch.randint(5, 300, (3 + 5 * i,), generator=gen).tolist() for i in range(4)]
+    params = SamplingParams(max_new_tokens=5)
+
+    def runner(**options) -> RadixBatchRunner:
+        return RadixBatchRunner(model, deterministic=True, attn_backend="triton", cuda_graph=False,
+                                warm_up=False, **options)
+
+    first = runner()
+    assert isinstance(first.engine.backend, InvariantBackend)
+    assert not first.engine.model_runner.shared_prefix
+    assert ExtendGraphs(first.engine).context and DecodeGraphs(first.engine, 4).context
+    alone = [first.run([p], params, progress=False)[0].token_ids for p in prompts[:2]]
+    first.reset_cache()
+    batch = [o.token_ids for o in first.run(prompts, params, progress=False)]
+    reverse = [o.token_ids for o in first.run(prompts[::-1], params, progress=False)][::-1]
+    pairs = [(p[:-3], p[-3:]) for p in prompts]
+    scores = first.loglikelihood(pairs)
+    paged = runner(page_size=4, chunked_prefill_size=16)
+    assert paged.engine.options.page_size == 4
+    chunked = [o.token_ids for o in paged.run(prompts, params, progress=False)]
+    assert alone == batch[:2] and batch == reverse == chunked
+    assert [paged.loglikelihood([p])[0] for p in pairs[:2]] == scores[:2]
+    paged.check_integrity()
+    return {"ok": True}
+
+
+CHECKS = {
+    "attention": check_attention,
+    "attention_window": lambda: check_attention(window=9),
+    "row_mean": check_row_mean,
+    "runner": check_runner,
+}
+
+test_triton_interpreter = interpreter_test(__file__, CHECKS)
+
+if __name__ == "__main__" and "--interp" in sys.argv:
+    report_checks(CHECKS)
