@@ -84,6 +84,13 @@ class ModelSupport:
     kv_shape: KVShape
     kv_layer_ids: tuple[int, ...]  # the decoder layer (``layer_idx``) of each K/V layer of the pool, in order
 
+    def kv_layer_index(self) -> list[int]:
+        """The pool's K/V layer of each decoder layer (-1: a hybrid model's state layer has none)."""
+        index = [-1] * (self.kv_layer_ids[-1] + 1)
+        for kv_layer, layer_idx in enumerate(self.kv_layer_ids):
+            index[layer_idx] = kv_layer
+        return index
+
 
 # ---------------------------------------------------------------------------------------- source reading
 

@@ -59,10 +59,7 @@ class RadixEngine:
         self.vocab_size = text_config.vocab_size
         self.tp_group = tp_group(model)  # multi-GPU hooks: this rank's KV heads; a device map's layer devices
         shape = local_kv_shape(model, support.kv_shape)
-        # the pool's K/V layer of each decoder layer (a hybrid model's state layers have none: -1)
-        self.kv_layer_index = [-1] * (support.kv_layer_ids[-1] + 1)
-        for kv_layer, layer_idx in enumerate(support.kv_layer_ids):
-            self.kv_layer_index[layer_idx] = kv_layer
+        self.kv_layer_index = support.kv_layer_index()
         self.backend = make_backend(self.options.attn_backend, device, self.options.deterministic)
         # hybrid models: the state layers' per-request states, in a pool allocated before the K/V pool
         self.hybrid = hybrid_model_type(model) is not None

@@ -648,8 +648,8 @@ def test_generate_rows_are_requests_through_their_statuses(monkeypatch):
         real_cache(rows)
         seen["decoding"] = [(r.status, r.computed_len, r.launched) for r in rows.reqs]
 
-    def released(rows, last, eos):
-        generated = real_release(rows, last, eos)
+    def released(rows, last, eos, failed=False):
+        generated = real_release(rows, last, eos, failed)
         seen["reqs"] = rows.reqs
         return generated
 
