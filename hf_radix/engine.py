@@ -84,11 +84,13 @@ class RadixEngine:
             state_pool=self.state_pool,
         )
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        self.host_tier = None
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
-        host_states = host_state_slots(self.state_pool, host_tokens * shape.bytes_per_token(dtype))
-        self.host_tier = HostTier(self.pool, host_tokens, state_slots=host_states) if host_tokens else None
-        if self.host_tier is not None:
+            host_states = host_state_slots(
+                self.state_pool, host_tokens // page_size, host_tokens * shape.bytes_per_token(dtype)
+            )
+            self.host_tier = HostTier(self.pool, host_tokens, state_slots=host_states)
             self.host_tier.attach(self.manager)
         _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
         self.stats = RadixStats()

@@ -48,12 +48,14 @@ def default_state_slots(
     return int(min(MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, budget // STATE_POOL_SHARE // per_slot)))
 
 
-def host_state_slots(pool: StatePool | None, host_kv_bytes: int) -> int | None:
-    """Snapshot slots of a host tier holding `host_kv_bytes` of K/V: a quarter as many bytes, at least one,
-    at most the GPU state pool's slots; None without state layers."""
+def host_state_slots(pool: StatePool | None, host_pages: int, host_kv_bytes: int) -> int | None:
+    """Snapshot slots of a host tier of `host_pages` pages holding `host_kv_bytes` of K/V: a quarter as many
+    bytes, between 16 and 1024 like the GPU pool's default, and at most one per page (a snapshot ends a
+    page); None without state layers."""
     if pool is None:
         return None
-    return max(1, min(pool.num_slots, host_kv_bytes // STATE_POOL_SHARE // pool.bytes_per_slot))
+    share = host_kv_bytes // STATE_POOL_SHARE // pool.bytes_per_slot
+    return max(1, min(host_pages, MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, share)))
 
 
 class StatePoolError(RuntimeError):
