@@ -55,7 +55,7 @@ def host_state_slots(pool: StatePool | None, host_pages: int, host_kv_bytes: int
     if pool is None:
         return None
     share = host_kv_bytes // STATE_POOL_SHARE // pool.bytes_per_slot
-    return max(1, min(host_pages, MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, share)))
+    return min(host_pages, MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, share))
 
 
 class StatePoolError(RuntimeError):
