@@ -31,6 +31,7 @@ from .memory.placement import (
     pool_devices,
     require_one_device,
 )
+from .memory.state_pool import host_state_slots
 from .model_state import ModelState
 from .options import EngineOptions
 from .paged_attention.forward_batch import ForwardBatch
@@ -79,15 +80,16 @@ class RadixEngine:
             state_pool=self.state_pool,
         )
         host_tokens = host_tier_tokens(self.pool, self.options.host_cache_tokens, self.options.host_cache_gb)
+        self.host_tier = None
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
-            if self.hybrid:
-                raise NotImplementedError("hf_radix: the host-memory tier is not wired for hybrid models yet")
-        self.host_tier = HostTier(self.pool, host_tokens) if host_tokens else None
+            host_states = host_state_slots(
+                self.state_pool, host_tokens // page_size, host_tokens * shape.bytes_per_token(dtype)
+            )
+            self.host_tier = HostTier(self.pool, host_tokens, state_slots=host_states)
+            self.host_tier.attach(self.manager)
         if self.options.deterministic:
             refuse_deterministic(self.hybrid, self.single_device, shape.latent)
-        if self.host_tier is not None:
-            self.host_tier.attach(self.manager)
         _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
         self.stats = RadixStats()
         self._model_runner: ModelRunner | None = None

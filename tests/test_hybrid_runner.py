@@ -185,3 +185,21 @@ def test_a_fresh_row_and_a_restored_row_prefill_together(family: str) -> None:
                          torch.randint(3, 96, (9,), generator=gen).tolist()])
     assert runner.stats.cached_tokens - cached == 16
     assert runner.stats.forward_calls - calls == 2 + NEW - 1  # chunks 16..24 and 0..8 together, then 24, 8
+
+
+@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 4), ("lfm2", 4)])
+def test_host_tier_keeps_evicted_prefixes_and_their_snapshots(family: str, page_size: int) -> None:
+    """A small GPU pool with a host tier: prompts evicted from the GPU come back from host memory, their
+    state snapshots too, and tokens equal transformers."""
+    model = tiny_hybrid_model(family)
+    vocab = model.config.vocab_size
+    runner = RadixBatchRunner(model, max_total_tokens=96, page_size=page_size, host_cache_tokens=1024)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, vocab, (30,), generator=gen).tolist() for _ in range(6)]
+    for prompt in prompts:  # one at a time: each evicts the earlier ones from the small GPU pool
+        _run(runner, model, [prompt])
+    outs = runner.run(prompts[:2], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts[:2]]
+    assert all(o.host_cached_tokens > 0 for o in outs)
+    assert runner.engine.host_tier.restored_tokens > 0
+    runner.check_integrity()

@@ -1,8 +1,9 @@
 """State snapshots in the host tier, for a cache manager of a model with state layers.
 
 The host tree is then a `SnapshotRadixCache` over a host `StatePool`: when the GPU tree evicts a leaf
-with a snapshot, the snapshot is copied out with the leaf's K/V; a match that the host tree can carry to
-a later snapshot gets the missing K/V and that snapshot copied back into the GPU tree.
+with a snapshot, or drops a snapshot alone (`evict_snapshots`, short of state slots), the snapshot is
+copied out with the K/V of its path; a match that the host tree can carry to a later snapshot gets the
+missing K/V and that snapshot copied back into the GPU tree. Host snapshots are LRU within their slots.
 """
 
 from __future__ import annotations

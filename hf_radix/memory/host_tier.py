@@ -116,15 +116,20 @@ class HostTier:
         self.manager = manager
         manager.host_tier = self
         manager.tree.on_evict = self._keep
+        if self.snapshots is not None:  # a snapshot the GPU drops alone (short of state slots) comes here too
+            manager.tree.on_drop_snapshot = self._keep
 
     def detach(self) -> None:
         """Undoes `attach`: the manager evicts and matches without the tier again."""
         self.manager.host_tier = None
         self.manager.tree.on_evict = None
+        if self.snapshots is not None:
+            self.manager.tree.on_drop_snapshot = None
 
     # -- GPU -> host ---------------------------------------------------------------------------------
     def _keep(self, node: RadixNode) -> None:
-        """Eviction callback of the GPU tree: copies the part of `node`'s path the host tree lacks."""
+        """Eviction callback of the GPU tree: copies the part of `node`'s path the host tree lacks, and
+        `node`'s snapshot (an evicted leaf's, or one the GPU drops alone from a node it keeps)."""
         keys, values, snapshot = [], [], node.state_slot
         while node.parent is not None:
             keys.append(node.key)

@@ -11,7 +11,7 @@ pool is short of slots. The tree frees the slots of the snapshots it drops; see 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -30,6 +30,9 @@ class SnapshotRadixCache(RadixPrefixCache):
 
     def __init__(self, page_size: int, state_pool: StatePool) -> None:
         self.state_pool = state_pool
+        # Called with each node whose snapshot `evict_snapshots` drops, before it drops it (a host tier
+        # keeps a copy; the snapshots of evicted leaves go to `on_evict`).
+        self.on_drop_snapshot: Callable[[RadixNode], None] | None = None
         self._snapshots: dict[int, RadixNode] = {}  # slot -> the node holding it, in every namespace
         super().__init__(page_size)
 
@@ -83,6 +86,8 @@ class SnapshotRadixCache(RadixPrefixCache):
             count, (n for n in self._snapshots.values() if not n.ref_count), key=lambda n: n.last_access
         )
         for node in victims:
+            if self.on_drop_snapshot is not None:
+                self.on_drop_snapshot(node)
             self._drop_snapshot(node)
             if not node.children:  # a leaf without a snapshot now: trimmed first
                 self._queue_bare(node)

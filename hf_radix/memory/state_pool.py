@@ -21,7 +21,9 @@ import torch.nn.functional as F
 
 from ..hybrid_layers import StateLayerSpec
 
-__all__ = ["StateBatch", "StateCacheMixin", "StatePool", "StatePoolError", "default_state_slots"]
+__all__ = [
+    "StateBatch", "StateCacheMixin", "StatePool", "StatePoolError", "default_state_slots", "host_state_slots",
+]
 
 # Without a `state_slots` option, the slots (running requests plus prefix snapshots) take this share of
 # the memory budget, within these bounds (docs/hybrid.md).
@@ -44,6 +46,16 @@ def default_state_slots(
     else:
         budget = 1 << 32
     return int(min(MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, budget // STATE_POOL_SHARE // per_slot)))
+
+
+def host_state_slots(pool: StatePool | None, host_pages: int, host_kv_bytes: int) -> int | None:
+    """Snapshot slots of a host tier of `host_pages` pages holding `host_kv_bytes` of K/V: a quarter as many
+    bytes, between 16 and 1024 like the GPU pool's default, and at most one per page (a snapshot ends a
+    page); None without state layers."""
+    if pool is None:
+        return None
+    share = host_kv_bytes // STATE_POOL_SHARE // pool.bytes_per_slot
+    return min(host_pages, MAX_STATE_SLOTS, max(MIN_STATE_SLOTS, share))
 
 
 class StatePoolError(RuntimeError):
