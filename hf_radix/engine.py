@@ -83,10 +83,9 @@ class RadixEngine:
         self.host_tier = None
         if host_tokens:
             require_one_device(self.pool, "a host-memory tier (host_cache_tokens / host_cache_gb)")
-            host_states = host_state_slots(
-                self.state_pool, host_tokens // page_size, host_tokens * shape.bytes_per_token(dtype)
-            )
-            self.host_tier = HostTier(self.pool, host_tokens, state_slots=host_states)
+            kv_bytes = host_tokens * shape.bytes_per_token(dtype)
+            states = host_state_slots(self.state_pool, host_tokens // page_size, kv_bytes)
+            self.host_tier = HostTier(self.pool, host_tokens, state_slots=states)
             self.host_tier.attach(self.manager)
         if self.options.deterministic:
             refuse_deterministic(self.hybrid, self.single_device, shape.latent)
