@@ -43,7 +43,7 @@ from hf_radix.hybrid_layers import tiny_hybrid_model  # noqa: E402
 
 FULL = dict(
     gsp=(8, 32, 2048, 256, 64), hf_batch=128, score_batch=16,
-    score=dict(questions=256, choices=4, prefix_len=1500, question_len=100, choice_len=(5, 20)),
+    score=dict(questions=128, choices=4, prefix_len=1500, question_len=100, choice_len=(5, 20)),
     chat=dict(conversations=16, turns=5, system_len=1024, user_len=128, answer_len=64),
 )
 TINY = dict(

@@ -224,7 +224,7 @@ CHECKS = {
     "runner": check_runner,
 }
 
-test_triton_interpreter = interpreter_test(__file__, CHECKS)
+test_triton_interpreter = pytest.mark.slow(interpreter_test(__file__, CHECKS))
 
 if __name__ == "__main__" and "--interp" in sys.argv:
     report_checks(CHECKS)
