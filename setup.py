@@ -22,6 +22,8 @@ setup(
     install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm", "safetensors"],
     extras_require={
         "triton": ["triton>=3.0"],
+        # hybrid models' Gated DeltaNet layers: transformers picks these Triton kernels over its torch paths
+        "hybrid": ["flash-linear-attention>=0.6"],
         "datasets": ["datasets"],
         "eval": ["lm-eval>=0.4.13", "accelerate"],
         "test": _read_requirements("requirements-test.txt"),
