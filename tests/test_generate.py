@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from conftest import fresh_model, random_ids
+from reference import Boom, RaisingProcessor
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -456,21 +457,7 @@ def test_decode_steps_and_short_prefills_go_through_the_graph_runners(monkeypatc
 # ----------------------------------------------------------------------------- errors and robustness
 
 
-class _Boom(RuntimeError):
-    pass
 
-
-class _RaisingProcessor(LogitsProcessor):
-    """Raises on its `at`-th call."""
-
-    def __init__(self, at: int):
-        self.at, self.calls = at, 0
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self.calls += 1
-        if self.calls == self.at:
-            raise _Boom("raised in a logits processor")
-        return scores
 
 
 class _RaisingCriterion(StoppingCriteria):
@@ -482,14 +469,14 @@ class _RaisingCriterion(StoppingCriteria):
     def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
         self.calls += 1
         if self.calls == self.at:
-            raise _Boom("raised in a stopping criterion")
+            raise Boom("raised in a stopping criterion")
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
 
 def _raise_in_first_forward(model) -> torch.utils.hooks.RemovableHandle:
     def hook(module, args, output):
         handle.remove()
-        raise _Boom("raised inside the first forward")
+        raise Boom("raised inside the first forward")
 
     handle = model.model.layers[-1].register_forward_hook(hook)
     return handle
@@ -504,10 +491,10 @@ def test_exception_mid_generation_releases_everything(where: str, gen):
     if where == "stopping_criteria":
         kwargs["stopping_criteria"] = StoppingCriteriaList([_RaisingCriterion(3)])
     elif where == "logits_processor":
-        kwargs["logits_processor"] = LogitsProcessorList([_RaisingProcessor(2)])
+        kwargs["logits_processor"] = LogitsProcessorList([RaisingProcessor(2)])
     else:
         _raise_in_first_forward(model)
-    with pytest.raises(_Boom):
+    with pytest.raises(Boom):
         _generate(model, [prompt, random_ids(gen, 7)], True, seed=1, **kwargs)
     engine = _clean(model)
     assert engine.manager.tree.size_info.protected_size == 0  # every lock released

@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from reference import Boom, RaisingProcessor
+from transformers import LogitsProcessorList
 
 import hf_radix
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
@@ -151,19 +152,7 @@ def test_prefill_chunks_and_prompts_given_as_embeddings():
     _clean(model)
 
 
-class _Boom(RuntimeError):
-    pass
 
-
-class _RaisingProcessor(LogitsProcessor):
-    def __init__(self, at: int):
-        self.at, self.calls = at, 0
-
-    def __call__(self, input_ids, scores):
-        self.calls += 1
-        if self.calls == self.at:
-            raise _Boom
-        return scores
 
 
 def test_more_rows_than_state_slots_and_errors_leave_the_engine_usable():
@@ -173,8 +162,8 @@ def test_more_rows_than_state_slots_and_errors_leave_the_engine_usable():
         _both(model, prompts)
     _clean(model)
     ids, mask = _left_pad(prompts[:2])
-    raising = LogitsProcessorList([_RaisingProcessor(2)])
-    with pytest.raises(_Boom):
+    raising = LogitsProcessorList([RaisingProcessor(2)])
+    with pytest.raises(Boom):
         model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=None,
                        cache_implementation="radix", logits_processor=raising)
     _clean(model)

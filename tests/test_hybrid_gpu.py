@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import hf_greedy, hf_logprob
 
 from hf_radix import RadixBatchRunner, SamplingParams
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
@@ -17,19 +18,8 @@ pytestmark = [
 NEW = 6
 
 
-def _hf_greedy(model, ids: list[int]) -> list[int]:
-    t = torch.tensor([ids], device="cuda")
-    with torch.inference_mode():
-        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=NEW, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
-def _hf_logprob(model, context: list[int], continuation: list[int]) -> float:
-    ids = torch.tensor([context + continuation], device="cuda")
-    with torch.inference_mode():
-        logp = model(input_ids=ids).logits[0, len(context) - 1 : -1].float().log_softmax(-1)
-    return float(logp.gather(-1, torch.tensor(continuation, device="cuda")[:, None]).sum())
 
 
 @pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("qwen3_5", 16), ("nemotron_h", 16),
@@ -43,10 +33,10 @@ def test_hybrid_runner_equals_transformers_on_gpu(family: str, page_size: int) -
     runner = RadixBatchRunner(model, max_total_tokens=2048, page_size=page_size, attn_backend="triton")
     for call in range(2):  # the second call hits the first one's snapshots
         outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts], call
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in prompts], call
         runner.check_integrity()
     assert runner.stats.cached_tokens > 0
     pairs = [(p[:-4], p[-4:]) for p in prompts]
     for (logprob, _), (context, continuation) in zip(runner.loglikelihood(pairs), pairs):
-        assert abs(logprob - _hf_logprob(model, context, continuation)) <= 1e-3
+        assert abs(logprob - hf_logprob(model, context, continuation)) <= 1e-3
     runner.check_integrity()

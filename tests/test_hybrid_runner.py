@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from reference import hf_greedy, hf_logprob
 
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
@@ -26,19 +27,8 @@ OTHERS = ["qwen3_next", "granitemoehybrid", "falcon_h1", "qwen3_5_moe", "lfm2_mo
 CASES = [(f, ps) for f in CORE for ps in (1, 4)] + [(f, 16) for f in CORE + OTHERS]
 
 
-def _hf_greedy(model, ids: list[int], new: int = NEW) -> list[int]:
-    t = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=new, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
 
 
-def _hf_logprob(model, context: list[int], continuation: list[int]) -> float:
-    ids = torch.tensor([context + continuation])
-    with torch.inference_mode():
-        logp = model(input_ids=ids).logits[0, len(context) - 1 : -1].float().log_softmax(-1)
-    return float(logp.gather(-1, torch.tensor(continuation)[:, None]).sum())
 
 
 def _prompts(vocab: int, seed: int, shared_len: int = 21) -> tuple[list[int], list[list[int]]]:
@@ -49,7 +39,7 @@ def _prompts(vocab: int, seed: int, shared_len: int = 21) -> tuple[list[int], li
 
 def _run(runner, model, prompts):
     outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts]
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in prompts]
     runner.check_integrity()
 
 
@@ -72,7 +62,7 @@ def test_runner_and_loglikelihood_equal_transformers_with_prefix_hits(family: st
     pairs = [(prompts[0][:9], prompts[0][9:]), (prompts[1][:-3], prompts[1][-3:]), (shared[:1], [7, 9])]
     scores = runner.loglikelihood(pairs)
     for (logprob, _), (context, continuation) in zip(scores, pairs):
-        assert abs(logprob - _hf_logprob(model, context, continuation)) <= 1e-4
+        assert abs(logprob - hf_logprob(model, context, continuation)) <= 1e-4
     runner.check_integrity()
 
 
@@ -131,7 +121,7 @@ def test_stop_tokens_with_overlap_then_cache_hits(overlap: bool, page_size: int)
     model = tiny_hybrid_model("nemotron_h")
     runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size, overlap=overlap)
     _, prompts = _prompts(model.config.vocab_size, seed=6)
-    full = [_hf_greedy(model, p, 8) for p in prompts]
+    full = [hf_greedy(model, p, 8) for p in prompts]
     stops = [f[2] for f in full]
     for _ in range(2):
         outs = runner.run(prompts, [SamplingParams(max_new_tokens=8, stop_token_ids=[s], ignore_eos=True)
@@ -199,7 +189,7 @@ def test_host_tier_keeps_evicted_prefixes_and_their_snapshots(family: str, page_
     for prompt in prompts:  # one at a time: each evicts the earlier ones from the small GPU pool
         _run(runner, model, [prompt])
     outs = runner.run(prompts[:2], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts[:2]]
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in prompts[:2]]
     assert all(o.host_cached_tokens > 0 for o in outs)
     assert runner.engine.host_tier.restored_tokens > 0
     runner.check_integrity()

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from reference import hf_greedy, hf_logprob
 
 from hf_radix import RadixBatchRunner, RequestError, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
@@ -26,18 +27,8 @@ IMAGE, VIDEO = 92, 93
 GREEDY = dict(max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
 
 
-def _hf_greedy(model, ids: list[int]) -> list[int]:
-    t = torch.tensor([ids])
-    with torch.inference_mode():
-        out = model.generate(t, attention_mask=torch.ones_like(t), **GREEDY)
-    return out[0, len(ids):].tolist()
 
 
-def _hf_logprob(model, context: list[int], continuation: list[int]) -> float:
-    ids = torch.tensor([context + continuation])
-    with torch.inference_mode():
-        logp = model(input_ids=ids).logits[0, len(context) - 1 : -1].float().log_softmax(-1)
-    return float(logp.gather(-1, torch.tensor(continuation)[:, None]).sum())
 
 
 def _prompts(seed: int) -> tuple[list[int], list[list[int]]]:
@@ -48,7 +39,7 @@ def _prompts(seed: int) -> tuple[list[int], list[list[int]]]:
 
 def _run(runner, model, prompts) -> None:
     outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [_hf_greedy(model, p) for p in prompts]
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in prompts]
     runner.check_integrity()
 
 
@@ -65,7 +56,7 @@ def test_text_prompts_equal_transformers_with_prefix_hits(name: str, page_size: 
     assert runner.stats.cached_tokens - first >= hits
     pairs = [(prompts[0][:9], prompts[0][9:]), (prompts[1][:-3], prompts[1][-3:]), (shared[:1], [7, 9])]
     for (logprob, _), (context, continuation) in zip(runner.loglikelihood(pairs), pairs):
-        assert abs(logprob - _hf_logprob(model, context, continuation)) <= 1e-4
+        assert abs(logprob - hf_logprob(model, context, continuation)) <= 1e-4
     runner.check_integrity()
     ids = torch.tensor([prompts[0][-12:], prompts[1][-12:]])
     want = model.generate(ids, attention_mask=torch.ones_like(ids), **GREEDY)
