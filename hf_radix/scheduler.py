@@ -33,7 +33,7 @@ from .scheduling.request_queues import RequestQueues
 from .scheduling.running_rows import Item, RunningRows, StepItems
 from .scheduling.sampling import Sampler
 from .scheduling.schedule_policy import PrefixAwareQueue
-from .scheduling.step_completion import LaunchedStep, StepCompleter
+from .scheduling.step_completion import LaunchedStep, StepCompleter, snapshot_at
 from .scheduling.stop_strings import StopStringDetector
 
 logger = logging.get_logger(__name__)
@@ -284,7 +284,7 @@ class Scheduler:
             req.computed_len = end
             self.manager.cache_req(req.row, req.ids, end, finished=False)
             if end in self.planner.snapshot_points.get(req.index, ()):
-                self._snapshot(req, end)
+                snapshot_at(self.manager, req.row, end)
             if req.extend_len:
                 continue
             if req.score_from is not None:  # cached now for later steps; released with its scores
@@ -310,13 +310,6 @@ class Scheduler:
             if not manager.state_slots.available:
                 return
             manager.hold_snapshot(running.reqs[i].row, int(ends[i]))
-
-    def _snapshot(self, req: Req, end: int) -> None:
-        """Saves the row's state after its first `end` prompt tokens (the forward just launched ended there)
-        on the tree, where a state slot is free or evictable."""
-        manager = self.manager
-        if manager.row_cached_len(req.row) == end and manager.state_slots.available:
-            manager.snapshot_row(req.row)
 
     def _scores(self, logits: torch.Tensor, rows: list[np.ndarray], targets: list[np.ndarray]):
         return self.model_runner.score(logits, np.concatenate(rows), np.concatenate(targets))

@@ -2,8 +2,9 @@
 
 Every row of a hybrid forward must add the same number of tokens, so the prompts of a call (their parts
 not cached) run as forwards of rows with equal lengths, each row ending its forwards at its snapshot
-points (where the state is saved on the tree: the branch point it shares with another prompt of the call
-and the last page boundary a later match of the same prompt reaches). Decode steps (one token a row) run
+points (where the state is saved on the tree: the points where it branches from another prompt of the
+call, every `state_snapshot_interval` tokens, and the last page boundary a later match of the same prompt
+reaches), as the runner's. Decode steps (one token a row) run
 as one forward. After each step a row whose length is a page multiple holds a copy of its state there,
 attached when the call caches its answer, so a follow-up call that starts with prompt + answer hits it;
 a row stops holding past the end of its answer (its first EOS).
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from ..scheduling.admission import snapshot_points
+from ..scheduling.step_completion import snapshot_at
 from .generate_rows import GenerateRows
 
 RowsForward = Callable[[dict[int, int]], torch.Tensor]  # rows -> their ends: one forward, last-token logits
@@ -38,7 +40,8 @@ class HybridSteps:
         last token, in the order of `ends`."""
         if self._points is None:
             reqs = [] if self.rows.opaque else [self.rows.reqs[b] for b in self.rows.compute_rows()]
-            self._points = snapshot_points(reqs, self.manager.page_size)
+            interval = self.rows.engine.options.state_snapshot_interval
+            self._points = snapshot_points(reqs, self.manager.page_size, interval)
         reqs = self.rows.reqs
         last: dict[int, torch.Tensor] = {}
         while pending := [b for b in ends if reqs[b].computed_len < ends[b]]:
@@ -62,10 +65,9 @@ class HybridSteps:
     def _snapshot(self, b: int, end: int) -> None:
         """Saves row `b`'s state after its first `end` prompt tokens (its forward just ended there) on
         the tree, where a state slot is free or evictable."""
-        req, manager = self.rows.reqs[b], self.manager
-        manager.cache_req(req.row, self.rows.tokens.row(b), end, finished=False)
-        if manager.row_cached_len(req.row) == end and manager.state_slots.available:
-            manager.snapshot_row(req.row)
+        row = self.rows.reqs[b].row
+        self.manager.cache_req(row, self.rows.tokens.row(b), end, finished=False)
+        snapshot_at(self.manager, row, end)
 
     def hold_page_ends(self) -> None:
         """After a step: each row whose length is a page multiple, within its answer, keeps a copy of its

@@ -172,6 +172,13 @@ class StepCompleter:
         self._bar.update(1)
 
 
+def snapshot_at(manager: CacheManager, row: int, end: int) -> None:
+    """A hybrid model's row whose forward just ended after `end` prompt tokens, inserted by `cache_req`:
+    saves its state there as a snapshot on the tree, where a state slot is free or evictable."""
+    if manager.row_cached_len(row) == end and manager.state_slots.available:
+        manager.snapshot_row(row)
+
+
 def hold_end_snapshot(manager: CacheManager, req: Req, cached: int) -> None:
     """A hybrid model's row at release: keeps its state as the snapshot at the end of what it caches
     (prompt and answer: a follow-up turn hits it) when its forwards ended exactly there, at a page multiple,
