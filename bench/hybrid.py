@@ -51,6 +51,9 @@ TINY = dict(
     score=dict(questions=8, choices=4, prefix_len=60, question_len=12, choice_len=(2, 5)),
     chat=dict(conversations=3, turns=3, system_len=20, user_len=6, answer_len=4),
 )
+RUNNER_OPTIONS = dict(
+    page_size=16, max_total_tokens=400_000, chunked_prefill_size=8192, max_running_requests=256
+)
 
 
 def build_model(tiny: bool, device: str, layers: int | None) -> torch.nn.Module:
@@ -229,10 +232,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     shape = TINY if args.tiny else FULL
     model = build_model(args.tiny, device, args.layers)
-    setup_s, runner = timed(lambda: RadixBatchRunner(
-        model, page_size=args.page_size, max_total_tokens=4096 if args.tiny else 400_000,
-        chunked_prefill_size=8192, max_running_requests=256,
-    ), device)
+    options = {**RUNNER_OPTIONS, "page_size": args.page_size}
+    if args.tiny:
+        options["max_total_tokens"] = 4096
+    setup_s, runner = timed(lambda: RadixBatchRunner(model, **options), device)
     result: dict = {
         "model": "tiny Qwen3.5 fp32" if args.tiny else "Qwen3.5 text model, default (9B) shape, random bf16",
         "parameters": sum(p.numel() for p in model.parameters()),

@@ -4,9 +4,10 @@ Prints torch.profiler tables (by GPU time) and cProfile tables (by own time) for
 smaller scoring workload (the score_bench shape, fewer questions) and for a short gsp run (8 groups x 32
 prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 weights. `--part decode`
 profiles decode steps alone: the gsp prompts are cached by a first run, so a run of 64 new tokens computes
-one prompt token a row and then decodes.
+one prompt token a row and then decodes. `--hybrid` profiles bench/hybrid.py's Qwen3.5-shaped model (9B,
+random bf16) with that benchmark's runner options instead.
 
-    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128] [--json PATH]
+    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128] [--hybrid] [--json PATH]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import hybrid  # noqa: E402
 from common import build_llama, measure, parser_for, timer, write_result  # noqa: E402
 from score_bench import make_workload  # noqa: E402
 
@@ -54,10 +56,15 @@ def main() -> None:
     parser = parser_for(__doc__)
     parser.add_argument("--part", default="both", choices=["score", "gsp", "decode", "both"])
     parser.add_argument("--questions", type=int, default=128)
+    parser.add_argument("--hybrid", action="store_true", help="the Qwen3.5-shaped model of bench/hybrid.py")
     args = parser.parse_args()
-    model = build_llama(False, "cuda")
+    if args.hybrid:
+        model = hybrid.build_model(False, "cuda", None)
+        runner = RadixBatchRunner(model, **hybrid.RUNNER_OPTIONS)
+    else:
+        model = build_llama(False, "cuda")
+        runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256)
     vocab = model.config.vocab_size
-    runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256)
     walls: dict = {}
     if args.part in ("score", "both"):
         pairs = make_workload(args.questions, 4, 1500, 100, (5, 20), vocab, 0)
