@@ -122,7 +122,6 @@ class RadixEngine:
         options = self.options
         if (
             options.max_total_tokens is not None
-            or self.hybrid
             or not options.cuda_graph
             or device.type != "cuda"
             or self.backend.name != "triton"
@@ -162,10 +161,9 @@ class RadixEngine:
     def captures_graphs(self) -> bool:
         """Forwards can replay CUDA graphs: one CUDA device (no device map across GPUs, no tensor
         parallel), Triton attention, and K/V read from the pool (not MLA latents, whose layers re-read
-        every row's whole context); never for hybrid models (their forwards run eagerly for now)."""
+        every row's whole context). Hybrid models replay decode graphs only."""
         return (
-            not self.hybrid
-            and self.single_device
+            self.single_device
             and self.device.type == "cuda"
             and self.backend.name == "triton"
             and not self.pool.shape.latent

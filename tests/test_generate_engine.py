@@ -11,7 +11,8 @@ import torch
 from conftest import fresh_model, random_ids
 
 import hf_radix
-from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs, static_buffer_bytes
+from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+from hf_radix.forward.graph_shapes import static_buffer_bytes
 from hf_radix.forward.model_runner import GRAPH_MEMORY_MARGIN, ModelRunner, graph_memory_bytes
 from hf_radix.memory import kv_pool
 from hf_radix.memory.page_table import PageTable

@@ -103,9 +103,10 @@ def test_snapshot_comes_back_onto_kv_the_gpu_kept() -> None:
 
 def test_host_state_slots_are_sized_like_the_gpu_pool() -> None:
     """A quarter of the host K/V bytes, within the GPU default's [16, 1024], at most one per host page."""
-    pool = StatePool(SPEC, 4)  # 24 bytes a slot
+    pool = StatePool(SPEC, 4)  # 32 bytes a slot (24 of state, padded to 16-byte pieces)
+    assert pool.bytes_per_slot == 32
     assert host_state_slots(None, 100, 1 << 20) is None
-    assert host_state_slots(pool, 1000, 4 * 24 * 100) == 100
+    assert host_state_slots(pool, 1000, 4 * 32 * 100) == 100
     assert host_state_slots(pool, 1000, 0) == 16  # not capped by the GPU pool's 4 slots
     assert host_state_slots(pool, 8, 1 << 20) == 8
     assert host_state_slots(pool, 1 << 20, 1 << 30) == 1024

@@ -38,8 +38,8 @@ SPECS = [
 
 def test_bytes_per_slot_counts_every_state():
     pool = StatePool(SPECS, num_slots=5)
-    assert pool.bytes_per_slot == 6 * 4 * 4 + 2 * 3 * 5 * 4 + 6 * 3 * 2
-    assert pool.nbytes == 5 * pool.bytes_per_slot
+    assert pool.bytes_per_slot == 6 * 4 * 4 + 128 + 48  # 120 and 36 bytes, each padded to 16
+    assert pool.nbytes == 6 * pool.bytes_per_slot  # and the scratch slot
     assert pool.layer_ids == [0, 2]
     assert pool.tensors[(2, "conv")].dtype == torch.bfloat16
 

@@ -12,6 +12,9 @@ replaying a captured graph removes that. Two kinds:
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
 
+Hybrid models replay decode graphs alone (their steps' rows add equal tokens): a graph's rows read and write
+their state slots through a static index (`forward.hybrid.GraphStates`), a padded row the scratch slot.
+
 Before a replay the step's metadata lands in the graph's static buffers through the function that builds
 eager batches (`build_forward_batch(..., into=)`): the staged copy of what the host sends goes straight
 into a static block laid out for the graph's padded shape, and the device gathers (ids read from the page
@@ -29,7 +32,6 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,39 +43,17 @@ from ..paged_attention.prefix_groups import DecodeShare
 from ..paged_attention.shared_decode import SharedPrefixDecode, decode_cost
 from .engine_view import ForwardEngine, eager_batch
 from .fused_ops import fused_norm_and_rope
+from .graph_shapes import EXTEND_TOKEN_BUCKETS, bucket, bucket_sizes, static_block_words
+from .hybrid import GraphStates
 
 logger = logging.get_logger(__name__)
 
 _EMPTY = np.zeros(0, dtype=np.int64)
-EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 
 
 class GraphCaptureError(RuntimeError):
     """The model's forward runs eagerly but cannot be captured (it copies to or from the host, say: the
     grouped expert matmuls of MoE models outside bf16 do)."""
-
-
-def bucket_sizes(max_batch: int) -> list[int]:
-    """Padded batch sizes to capture: powers of two up to 16, then steps of 16."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_batch] + list(range(16, max_batch, 16)) + [max_batch]
-    return sorted(set(sizes))
-
-
-def _bucket(sizes: Sequence[int], n: int) -> int | None:
-    return next((s for s in sizes if s >= n), None)
-
-
-def _static_block_words(max_rows: int, max_tokens: int) -> int:
-    """int64 words of the static block: the largest shape's layout (every array 16-byte aligned), and room
-    behind it for the rest of a step's upload (page-table writes, row bases, ids' rows: a few numbers per
-    row and token), so that one copy sends it all."""
-    layout = GraphInputs.layout(max_rows + 1, max_tokens, max_rows + 1)
-    return layout.total + 4 * (max_rows + max_tokens) + 256
-
-
-def static_buffer_bytes(max_rows: int, max_tokens: int, kv_bound: int) -> int:
-    """Bytes of the static metadata buffers: the static block and the slot list."""
-    return 8 * (_static_block_words(max_rows, max_tokens) + (max_rows + 1) * kv_bound)
 
 
 class _CapturedForwards(abc.ABC):
@@ -96,6 +76,7 @@ class _CapturedForwards(abc.ABC):
         self.replays = 0
         self.loads = 0  # inputs loaded into the static buffers (by runs, captures and `prepare`)
         self.capture_time = 0.0
+        self.states: GraphStates | None = None  # hybrid models' decode graphs: the rows' state slots
         self._graphs: dict[tuple[int, ...], tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphInputs]] = {}
         if self.capture:
             self._allocate_static()
@@ -105,7 +86,7 @@ class _CapturedForwards(abc.ABC):
         """The static block every shape's metadata is uploaded into, and the static slot list."""
         scratch = self.table.scratch_slot
         with torch.inference_mode(False):  # written later by calls in any grad mode
-            self._block = torch.zeros(_static_block_words(self.max_rows, self.max_tokens), dtype=torch.int64,
+            self._block = torch.zeros(static_block_words(self.max_rows, self.max_tokens), dtype=torch.int64,
                                       device=self.engine.device)
             self._kv = torch.full(((self.max_rows + 1) * self.kv_bound,), scratch, dtype=torch.int64,
                                   device=self.engine.device)
@@ -136,11 +117,13 @@ class _CapturedForwards(abc.ABC):
         self._check_live()
         self.replays += 1
         if not self.capture:  # eager runs (off CUDA) may use any backend
+            self._load_states(padded)
             return self._forward(self._attach(key, eager_batch(self.engine, padded)))[:real_rows]
         captured = self._graphs.get(key)
         if captured is None:
             captured = self._graphs[key] = self._capture(key)
         build_forward_batch(self.table, padded, self.context, into=captured[2])
+        self._load_states(padded)
         self.loads += 1
         return self._replay(captured, real_rows)
 
@@ -201,6 +184,10 @@ class _CapturedForwards(abc.ABC):
         """The batch a graph of `key` runs (what its kernels read besides the common metadata)."""
         return batch
 
+    def _load_states(self, padded: StepRows) -> None:
+        if self.states is not None:
+            self.states.load(padded.rows)
+
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         """What a graph captures: the model's forward on the (static) batch."""
         return self.engine.run_model(batch)
@@ -232,7 +219,9 @@ class DecodeGraphs(_CapturedForwards):
     def __init__(
         self, engine: ForwardEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
     ):
-        super().__init__(engine, max_batch, max_batch, fused_ops)
+        hybrid = engine.manager.state_slots is not None  # its norms are not all Llama-style: HF's own
+        super().__init__(engine, max_batch, max_batch, fused_ops and not hybrid)
+        self.states = GraphStates(engine.manager, max_batch, engine.device) if hybrid else None
         self.sizes = bucket_sizes(max_batch)
         cost = decode_cost(engine) if shared_prefix else None
         # graphs keyed (rows, rows, its graph_prefix_splits) read it, one per batch size of two rows or more
@@ -248,6 +237,7 @@ class DecodeGraphs(_CapturedForwards):
             and step.batch_size <= self.max_rows
             and step.last_tokens_only
             and int(step.prefix_lens.max()) + 1 <= self.kv_bound
+            and (self.states is None or bool(step.prefix_lens.min() > 0))  # every row continues its state
         )
 
     def shapes(self) -> list[tuple[int, ...]]:
@@ -316,18 +306,21 @@ class DecodeGraphs(_CapturedForwards):
         if captured is None:
             return
         build_forward_batch(self.table, padded, True, into=captured[2])
+        self._load_states(padded)
         self.loads += 1
         self._prepared = _PreparedStep(key, step.rows.copy(), step.prefix_lens.copy(), self.loads)
 
     def _key(self, step: StepRows, count: bool) -> tuple[tuple[int, ...], StepRows]:
         """The graph a decode step replays and the step padded to its shape; `count`: the step runs now
         (shared-prefix steps are counted)."""
-        size = _bucket(self.sizes, step.batch_size)
+        size = bucket(self.sizes, step.batch_size)
         padded = self._pad(size, step)
         share = None if self.shared is None else self.shared.share(padded, count=count)
         return ((size, size) if share is None else (size, size, share.prefix_splits)), padded
 
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
+        if self.states is not None:
+            batch = dataclasses.replace(batch, state_batch=self.states.batch(key[0]))
         if len(key) == 2:
             return batch
         share = DecodeShare(self.shared.buffers, key[0], key[2], self.shared.mode, self.shared.side_stream)
@@ -394,5 +387,5 @@ class ExtendGraphs(_CapturedForwards):
         """
         if not (fits or self.fits(step)):
             raise ValueError("an extend batch with an empty row or past the captured shapes cannot replay")
-        key = (_bucket(self.row_sizes, step.batch_size), _bucket(self.token_sizes, step.num_tokens))
+        key = (bucket(self.row_sizes, step.batch_size), bucket(self.token_sizes, step.num_tokens))
         return self._run(key, self._pad(*key, step), step.batch_size)

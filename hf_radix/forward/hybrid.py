@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..hybrid_layers import state_mixers, state_specs
+from ..memory.page_table import PADDING_ROW
 from ..memory.placement import is_dispatched
 from ..memory.state_pool import StateBatch, StatePool, default_state_slots
 from ..options import EngineOptions
@@ -100,3 +101,25 @@ def state_batch(manager, step: StepRows) -> StateBatch:
         raise MixedStepError("a row of a hybrid model's step has no state slot (a padding row?)")
     continuing = bool((np.asarray(step.prefix_lens) > 0).any())
     return StateBatch(manager.state_slots.pool, slots, has_previous=continuing)
+
+
+class GraphStates:
+    """The state slots of a decode graph's rows: a static index its capture reads, loaded with the step's
+    slots before each replay (a padding row: the pool's scratch slot). Every row continues a state."""
+
+    def __init__(self, manager, max_rows: int, device: torch.device) -> None:
+        self.manager = manager
+        self.pool: StatePool = manager.state_slots.pool
+        self.static = torch.full((max_rows,), self.pool.scratch_slot, dtype=torch.int64, device=device)
+
+    def batch(self, rows: int) -> StateBatch:
+        """The `StateBatch` of a graph of `rows` rows: the first `rows` entries of the static index."""
+        return StateBatch(self.pool, self.static[:rows], has_previous=True)
+
+    def load(self, rows: np.ndarray) -> None:
+        """Writes the state slots of a padded step's `rows` into the static index (without waiting)."""
+        scratch, slot_of = self.pool.scratch_slot, self.manager.row_state_slot
+        slots = torch.tensor([scratch if r == PADDING_ROW else slot_of(r) for r in rows.tolist()])
+        if self.static.device.type == "cuda":
+            slots = slots.pin_memory()
+        self.static[: len(slots)].copy_(slots, non_blocking=True)

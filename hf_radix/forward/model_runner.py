@@ -28,14 +28,9 @@ from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..paged_attention.shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
 from ..scheduling.logprobs import target_logprobs
 from ..scheduling.sampling import Sampler, SamplingParams, warm_up_sampling
-from .cuda_graph import (
-    EXTEND_TOKEN_BUCKETS,
-    DecodeGraphs,
-    ExtendGraphs,
-    GraphCaptureError,
-    static_buffer_bytes,
-)
+from .cuda_graph import DecodeGraphs, ExtendGraphs, GraphCaptureError
 from .engine_view import ForwardEngine, eager_batch
+from .graph_shapes import EXTEND_TOKEN_BUCKETS, static_buffer_bytes
 from .hybrid import state_batch
 
 logger = logging.get_logger(__name__)
@@ -76,7 +71,8 @@ class ModelRunner:
         self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
             self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops, self.shared_prefix)
-            self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
+            if engine.manager.state_slots is None:  # a hybrid model's rows add equal tokens: no padding row
+                self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
         self.warm_up_times: dict[str, float] = {}
         self.released = False
 

@@ -14,12 +14,15 @@ the models' own layers call; :class:`StateCacheMixin` gives a ``Cache`` subclass
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..hybrid_layers import StateLayerSpec
+from .page_table import to_device
 
 __all__ = [
     "StateBatch", "StateCacheMixin", "StatePool", "StatePoolError", "default_state_slots", "host_state_slots",
@@ -29,6 +32,7 @@ __all__ = [
 # the memory budget, within these bounds (docs/hybrid.md).
 STATE_POOL_SHARE = 4  # one quarter
 MIN_STATE_SLOTS, MAX_STATE_SLOTS = 16, 1024
+_ALIGN = 16  # bytes: each state's place in a slot
 
 
 def default_state_slots(
@@ -78,10 +82,21 @@ class StatePool:
         self.specs = {s.layer_idx: s for s in specs}
         self.num_slots = num_slots
         self.device = torch.device(device)
+        # One row of bytes per slot, every state a 16-byte-aligned piece of it: a slot is copied or zeroed
+        # whole with one kernel, and each (layer, kind) is a strided view of its pieces.
+        pieces, row_bytes = [], 0
+        for spec in specs:
+            for k in spec.kinds:
+                nbytes = math.prod(k.shape) * k.dtype.itemsize
+                pieces.append(((spec.layer_idx, k.kind), k, row_bytes, nbytes))
+                row_bytes += -(-nbytes // _ALIGN) * _ALIGN
+        # and one scratch slot past them (`scratch_slot`), never handed out.
+        shape = (num_slots + 1, max(row_bytes, _ALIGN))
+        self._rows = torch.zeros(shape, dtype=torch.uint8, device=self.device)
+        self._words = self._rows.view(torch.int64)
         self.tensors: dict[tuple[int, str], torch.Tensor] = {
-            (s.layer_idx, k.kind): torch.zeros((num_slots, *k.shape), dtype=k.dtype, device=self.device)
-            for s in specs
-            for k in s.kinds
+            key: self._rows[:, start : start + nbytes].view(k.dtype).view(num_slots + 1, *k.shape)
+            for key, k, start, nbytes in pieces
         }
         # Lowest slots first, so that small workloads use a compact range.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -90,19 +105,25 @@ class StatePool:
     # ------------------------------------------------------------------------------ bookkeeping
 
     @property
+    def scratch_slot(self) -> int:
+        """A slot outside the ones handed out: what the padding rows of a captured decode step read and
+        write."""
+        return self.num_slots
+
+    @property
     def layer_ids(self) -> list[int]:
         """The model layers that keep a state, in order."""
         return sorted(self.specs)
 
     @property
     def bytes_per_slot(self) -> int:
-        """Bytes of one slot: one request's state across all state layers."""
-        return sum(s.nbytes for s in self.specs.values())
+        """Bytes of one slot: one request's state across all state layers (each state 16-byte aligned)."""
+        return self._rows.shape[1]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole pool."""
-        return self.bytes_per_slot * self.num_slots
+        """Bytes of the whole pool (the scratch slot included)."""
+        return self._rows.numel()
 
     @property
     def num_free(self) -> int:
@@ -151,21 +172,21 @@ class StatePool:
     # ------------------------------------------------------------------------------ data movement
 
     def _index(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(slots, dtype=torch.long).to(self.device)
+        """Slot numbers as an index on the pool's device (sent without waiting for the device)."""
+        if isinstance(slots, torch.Tensor) and slots.device == self.device:
+            return slots
+        return to_device(np.asarray(slots, dtype=np.int64), self.device)
 
     def zero_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Reset slots to the state of an empty sequence (all zeros)."""
-        idx = self._index(slots)
-        for t in self.tensors.values():
-            t.index_fill_(0, idx, 0)
+        self._words.index_fill_(0, self._index(slots), 0)
 
     def copy_slots(self, src: Sequence[int] | torch.Tensor, dst: Sequence[int] | torch.Tensor) -> None:
         """Copy the whole state of slots ``src`` into slots ``dst`` (snapshot save and restore)."""
         s, d = self._index(src), self._index(dst)
         if s.shape != d.shape:
             raise ValueError("copy_slots needs as many destination slots as sources")
-        for t in self.tensors.values():
-            t.index_copy_(0, d, t.index_select(0, s))
+        self._words.index_copy_(0, d, self._words.index_select(0, s))
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Copy one slot's state into another."""
@@ -251,13 +272,19 @@ class StateBatch:
         return full
 
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        """Keep the rows' new recurrent state; return it as the layer will read it."""
+        """Write the rows' new recurrent state, and the layer's conv window, into their slots (the layers
+        call this last); return the state as the layer would read it."""
         dtype = self.pool.tensors[(layer_idx, "recurrent")].dtype
-        self._work[(layer_idx, "recurrent")] = recurrent_states.to(dtype)
-        return self._work[(layer_idx, "recurrent")]
+        self.pool.scatter(layer_idx, "recurrent", self.slots, recurrent_states)
+        self._work.pop((layer_idx, "recurrent"), None)
+        conv = self._work.pop((layer_idx, "conv"), None)
+        if conv is not None:
+            self.pool.scatter(layer_idx, "conv", self.slots, conv)
+        return recurrent_states.to(dtype)
 
     def flush(self) -> None:
-        """Write every state this forward read or produced back into the rows' slots."""
+        """Write every state this forward read or updated in place, and not written yet, into the rows'
+        slots."""
         for (layer_idx, kind), t in self._work.items():
             self.pool.scatter(layer_idx, kind, self.slots, t)
         self._work.clear()
