@@ -55,6 +55,24 @@ def test_decode_graph_steps_equal_transformers(family: str, page_size: int) -> N
     assert runner.engine.state_pool.scratch_slot not in runner.engine.state_pool.used_slots
 
 
+def test_capturing_a_decode_graph_leaves_running_rows_states_alone(monkeypatch) -> None:
+    """A capture's eager runs (padding rows only) read and write the scratch state slot, whatever slots the
+    static index held from the step before (the capture itself is replaced by one eager run off CUDA)."""
+    model = tiny_hybrid_model("qwen3_5")
+    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
+    graphs = runner.model_runner.decode_graphs = DecodeGraphs(runner.engine, max_batch=4)
+    _run(runner, model, _prompts(model.config.vocab_size, seed=3)[1])
+    pool = runner.engine.state_pool
+    graphs.states.static[:3] = torch.tensor(sorted(pool.used_slots)[:3])  # a step's rows, left behind
+    before = {key: t[: pool.num_slots].clone() for key, t in pool.tensors.items()}
+    graphs.capture = True
+    graphs._allocate_static()
+    monkeypatch.setattr(graphs, "_record", lambda batch: (None, graphs._forward(batch)))
+    graphs._capture((4, 4))
+    for key, t in pool.tensors.items():
+        assert torch.equal(t[: pool.num_slots], before[key]), key
+
+
 @pytest.mark.parametrize(("family", "page_size"), CASES)
 def test_runner_and_loglikelihood_equal_transformers_with_prefix_hits(family: str, page_size: int) -> None:
     model = tiny_hybrid_model(family)

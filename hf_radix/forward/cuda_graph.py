@@ -145,6 +145,7 @@ class _CapturedForwards(abc.ABC):
         rows, tokens = padding.batch_size, padding.num_tokens
         inputs = GraphInputs(self._block, self._kv, rows, tokens, key[0], self.decode)
         batch = build_forward_batch(self.table, padding, self.context, into=inputs)
+        self._load_states(padding)  # the eager runs before the capture write the padding rows' states
         self.loads += 1
         # the kernels' launch sizes (split counts) for the longest context a replay may bring
         batch = dataclasses.replace(batch, max_kv_len=self.kv_bound)
