@@ -1,8 +1,7 @@
 """Hybrid models end to end (issue 29): `RadixBatchRunner.run` greedy tokens and `loglikelihood` equal plain
 transformers on tiny fp32 models, with prefix-cache hits across calls (state snapshots on the tree), page
-sizes 1, 4 and 16, chunked prefill, decode steps padded as graphs pad them (run eagerly off CUDA); the
-families hf_radix cannot run exactly are refused with their reason (radix `generate`:
-test_hybrid_generate.py).
+sizes 1, 4 and 16, chunked prefill; the families hf_radix cannot run exactly are refused with their reason
+(radix `generate`: test_hybrid_generate.py; decode graphs: test_hybrid_graphs.py).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from reference import hf_greedy, hf_logprob
 
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
-from hf_radix.forward.cuda_graph import DecodeGraphs
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
 
 pytestmark = [
@@ -39,38 +37,6 @@ def _run(runner, model, prompts):
     outs = runner.run(prompts, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in prompts]
     runner.check_integrity()
-
-
-@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 16), ("lfm2", 4)])
-def test_decode_graph_steps_equal_transformers(family: str, page_size: int) -> None:
-    """Decode steps through `DecodeGraphs` (rows padded to a bucket, padding rows on the state pool's scratch
-    slot, states read through the static index) give plain transformers' tokens, also on cache hits."""
-    model = tiny_hybrid_model(family)
-    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
-    graphs = runner.model_runner.decode_graphs = DecodeGraphs(runner.engine, max_batch=4)
-    _, prompts = _prompts(model.config.vocab_size, seed=3)  # three rows: one padding row
-    for _ in range(2):
-        _run(runner, model, prompts)
-    assert graphs.replays >= 2 * (NEW - 1)  # every decode step of both calls (a hit may add a prefill)
-    assert runner.engine.state_pool.scratch_slot not in runner.engine.state_pool.used_slots
-
-
-def test_capturing_a_decode_graph_leaves_running_rows_states_alone(monkeypatch) -> None:
-    """A capture's eager runs (padding rows only) read and write the scratch state slot, whatever slots the
-    static index held from the step before (the capture itself is replaced by one eager run off CUDA)."""
-    model = tiny_hybrid_model("qwen3_5")
-    runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=1)
-    graphs = runner.model_runner.decode_graphs = DecodeGraphs(runner.engine, max_batch=4)
-    _run(runner, model, _prompts(model.config.vocab_size, seed=3)[1])
-    pool = runner.engine.state_pool
-    graphs.states.static[:3] = torch.tensor(sorted(pool.used_slots)[:3])  # a step's rows, left behind
-    before = {key: t[: pool.num_slots].clone() for key, t in pool.tensors.items()}
-    graphs.capture = True
-    graphs._allocate_static()
-    monkeypatch.setattr(graphs, "_record", lambda batch: (None, graphs._forward(batch)))
-    graphs._capture((4, 4))
-    for key, t in pool.tensors.items():
-        assert torch.equal(t[: pool.num_slots], before[key]), key
 
 
 @pytest.mark.parametrize(("family", "page_size"), CASES)
