@@ -132,7 +132,9 @@ class RadixEngine:
             return 0
         free, _ = torch.cuda.mem_get_info(device)
         kv_bound = min(self.max_context, free // shape.bytes_per_token(dtype))  # a row's longest context
-        return graph_memory_bytes(self.model, dtype, options.cuda_graph_max_batch, kv_bound)
+        layers = self.state_pool.specs.values() if self.state_pool is not None else ()
+        return graph_memory_bytes(self.model, dtype, options.cuda_graph_max_batch, kv_bound,
+                                  state_layer_bytes=max((s.nbytes for s in layers), default=0))
 
     @property
     def device(self) -> torch.device:

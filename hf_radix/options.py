@@ -35,7 +35,9 @@ class EngineOptions:
     attn_backend: str = _option("auto", "attention backend: auto, triton or torch")
     store_backend: str = _option("auto", "how K/V are written into the pool: auto, triton or torch")
     cuda_graph: bool = _option(
-        True, "replay captured graphs for decode steps and short prefills (CUDA, Triton attention)"
+        True,
+        "replay captured graphs for decode steps and short prefills (CUDA, Triton attention; hybrid models: "
+        "decode steps)",
     )
     cuda_graph_max_batch: int = _option(
         256, "decode graphs up to this many rows (a runner asking for more grows them)"

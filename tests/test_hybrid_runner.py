@@ -15,6 +15,7 @@ from reference import hf_greedy, hf_logprob
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
+from hf_radix.scheduling.admission import PrefillPlanner
 
 pytestmark = [
     pytest.mark.slow,  # run once, on the newest transformers
@@ -138,6 +139,35 @@ def test_prefill_chunks_of_one_length_share_a_forward(family: str) -> None:
     prompts = [torch.randint(3, 96, (9,), generator=gen).tolist() for _ in range(4)]
     _run(runner, model, prompts)
     assert runner.stats.forward_calls == 2 + NEW - 1
+
+
+def test_scoring_steps_take_the_length_with_the_most_tokens(monkeypatch) -> None:
+    """5-shot-like scoring: each step's chunk length is the one with the most tokens waiting (the rest of
+    the questions before the choices of the first ones), which takes fewer forwards than the first
+    request's length did, with the same log-likelihoods (to fp32 rounding), equal to transformers."""
+    model = tiny_hybrid_model("qwen3_5")
+    gen = torch.Generator().manual_seed(5)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 96, (n,), generator=gen).tolist()
+
+    shots = ids(40)
+    questions = [ids(20) for _ in range(16)]
+    pairs = [(shots + question, ids(2 + i % 4)) for question in questions for i in range(3)]
+
+    def score() -> tuple[list[float], int]:
+        runner = RadixBatchRunner(model, max_total_tokens=2048, page_size=4, chunked_prefill_size=200)
+        logprobs = [lp for lp, _ in runner.loglikelihood(pairs)]
+        runner.check_integrity()
+        return logprobs, runner.stats.forward_calls
+
+    logprobs, forwards = score()
+    for (context, continuation), logprob in list(zip(pairs, logprobs))[::7]:
+        assert abs(logprob - hf_logprob(model, context, continuation)) <= 1e-4
+    monkeypatch.setattr(PrefillPlanner, "_preferred_width", lambda self, budget: None)  # the first's length
+    first_logprobs, first_forwards = score()
+    assert max(abs(a - b) for a, b in zip(first_logprobs, logprobs)) <= 1e-4
+    assert forwards < first_forwards, (forwards, first_forwards)
 
 
 def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:

@@ -312,6 +312,7 @@ def graph_memory_bytes(
     kv_bound: int,
     extend_rows: int = EXTEND_GRAPH_ROWS,
     extend_tokens: int = EXTEND_GRAPH_TOKENS,
+    state_layer_bytes: int = 0,
 ) -> int:
     """An estimate of the GPU memory a model runner's graphs take once every shape is captured.
 
@@ -320,8 +321,9 @@ def graph_memory_bytes(
     shared memory pool, which holds the largest captured forward's activations: per token the residual
     stream, the normed input, the attention projections and output, the MLP's gate, up and activation;
     the logits of every row (in the model's dtype and an fp32 upcast), the partial results of a
-    shared-prefix decode (`MAX_PREFIX_SPLITS` per query head). Twice that, for what the caching allocator
-    rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
+    shared-prefix decode (`MAX_PREFIX_SPLITS` per query head); hybrid models: a state layer's states of
+    every row three times (gathered, the layer's new ones, its output), `state_layer_bytes` a row. Twice
+    that, for what the caching allocator rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
     """
     text = model.config.get_text_config(decoder=True)
     hidden = text.hidden_size
@@ -334,6 +336,7 @@ def graph_memory_bytes(
     per_token = element * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim)
     shared_partials = max_batch * heads * MAX_PREFIX_SPLITS * (head_dim + 1) * 4
     activations = tokens * per_token + rows * text.vocab_size * (element + 4) + shared_partials
+    activations += 3 * max_batch * state_layer_bytes
     static = static_buffer_bytes(max_batch, max_batch, kv_bound)
     static += static_buffer_bytes(extend_rows, extend_tokens, kv_bound)
     return static + 2 * activations + GRAPH_MEMORY_MARGIN

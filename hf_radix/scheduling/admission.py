@@ -14,6 +14,7 @@ the scheduler saves the row's state on the tree.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -110,6 +111,10 @@ def _refusal(req: Req, engine: RadixEngine) -> str | None:
     return None
 
 
+# Hybrid steps: waiting requests a step's chunk length is chosen over and admission looks past.
+UNIFORM_LOOKAHEAD = 1024
+
+
 class PrefillPlanner:
     """Adds a step's prefill chunks under the token budget, admitting waiting requests."""
 
@@ -125,15 +130,43 @@ class PrefillPlanner:
     def plan(self, items: StepItems, uniform: bool = False) -> None:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
         both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
-        every chunk has the length of the first one (rows of one forward add the same number of tokens);
-        waiting requests of that length are admitted past those of other lengths, which wait their turn."""
-        queues, manager = self.queues, self.manager
+        every chunk has one length (rows of one forward add the same number of tokens), the one that puts
+        the most tokens in the step (`_preferred_width`), else the first request's; waiting requests of
+        that length are admitted past those of other lengths, which wait their turn."""
+        queues = self.queues
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
             return
+        preferred = self._preferred_width(budget) if uniform else None
+        self._fill(items, budget, uniform, preferred)
+        if preferred is not None and not items.prefill:  # none of that length could start now
+            self._fill(items, budget, uniform, None)
+
+    def _preferred_width(self, budget: int) -> int | None:
+        """The chunk length with the most tokens (up to `budget`) over the prefilling requests and the
+        first waiting ones, counted from what is cached now (an estimate: a step may admit fewer)."""
+        tokens: dict[int, int] = {}
+        starts = [(req, req.computed_len) for req in self.queues.prefilling]
+        starts += [(req, self._cached_len(req.match_ids))
+                   for req in itertools.islice(self.queues.waiting, UNIFORM_LOOKAHEAD)]
+        for req, start in starts:
+            width = self._chunk_end(req, start, budget) - start
+            tokens[width] = tokens.get(width, 0) + width
+        return max(tokens, key=lambda width: min(tokens[width], budget), default=None)
+
+    def _cached_len(self, match_ids: np.ndarray) -> int:
+        """What `manager.match` would find, on the GPU or in the host tier, copying nothing back."""
+        manager = self.manager
+        cached = manager.gpu_cached_len(match_ids)
+        if manager.host_tier is not None:
+            cached = max(cached, manager.host_tier.tree.match_prefix(match_ids[:-1]).cached_len)
+        return cached
+
+    def _fill(self, items: StepItems, budget: int, uniform: bool, width: int | None) -> None:
+        """`plan`'s chunks; `width`: the uniform step's chunk length (None: the first chunk's)."""
+        queues, manager = self.queues, self.manager
         reserved = self._reserved_tokens([*queues.running, *queues.prefilling])
         in_batch = RadixPrefixCache(page_size=1)
-        width = None  # uniform: the step's chunk length
         for req in queues.prefilling:
             if budget <= 0:
                 break
@@ -157,7 +190,7 @@ class PrefillPlanner:
             start = handle.cached_len
             if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
                 other_widths += 1
-                if other_widths > self.max_running_requests:
+                if other_widths > UNIFORM_LOOKAHEAD:
                     break
                 deferred.append(queues.waiting.popleft())  # prefills in a step of its own chunk length
                 continue

@@ -19,7 +19,7 @@ bounded cost: no re-sort, no pass over the queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -68,7 +68,8 @@ class _Group:
 
 
 class PrefixAwareQueue:
-    """The scheduler's pending queue (`[0]`, `popleft`, `extendleft`, `clear`, `len`), in cache-aware order.
+    """The scheduler's pending queue (`[0]`, `popleft`, `extendleft`, `clear`, `len`, iteration), in
+    cache-aware order.
 
     `cached_len(ids)` is the length of `ids`' prefix in the tree now; `evictions()` any counter that
     changes when the tree evicts.
@@ -101,6 +102,13 @@ class PrefixAwareQueue:
 
     def __bool__(self) -> bool:
         return self._size > 0
+
+    def __iter__(self) -> Iterator:
+        """Every pending request: the group being served, then the others (which are served in the order
+        `_choose` picks them when they are reached)."""
+        yield from self._current.reqs
+        for group in self._groups:
+            yield from group.reqs
 
     def __getitem__(self, index: int):
         if index != 0:
