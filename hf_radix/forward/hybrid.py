@@ -110,7 +110,8 @@ class GraphStates:
     def __init__(self, manager, max_rows: int, device: torch.device) -> None:
         self.manager = manager
         self.pool: StatePool = manager.state_slots.pool
-        self.static = torch.full((max_rows,), self.pool.scratch_slot, dtype=torch.int64, device=device)
+        with torch.inference_mode(False):  # written later by calls in any grad mode
+            self.static = torch.full((max_rows,), self.pool.scratch_slot, dtype=torch.int64, device=device)
 
     def batch(self, rows: int) -> StateBatch:
         """The `StateBatch` of a graph of `rows` rows: the first `rows` entries of the static index."""
