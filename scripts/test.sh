@@ -9,9 +9,11 @@ source scripts/venv.sh
 pip_install_once test-install ".[test]"  # the tests import the source tree (pyproject's pythonpath)
 "$PY" -m pip install -qq -U "transformers>=5.17,<6"
 "$PY" -m ruff check .
-echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
+echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)') (set-up took ${SECONDS} s)"
 "$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadfile "$@"
 "$PY" -m pip install -qq "transformers==5.17.0"
-echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
+echo "== tests on transformers $("$PY" -c 'import transformers; print(transformers.__version__)') (${SECONDS} s so far)"
 "$PY" -m pytest -q -p no:cacheprovider -m "not slow" "$@"
+echo "== packaging check (${SECONDS} s so far)"
 bash scripts/check_wheel.sh
+echo "== done in ${SECONDS} s"

@@ -60,7 +60,7 @@ def stand_in_capture(graphs: DecodeGraphs) -> None:
     graphs._replay = lambda captured, rows: graphs._forward(kept[id(captured[0])][1])[:rows]
 
 
-@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 16), ("lfm2", 4)])
+@pytest.mark.parametrize(("family", "page_size"), [("nemotron_h", 16), ("lfm2", 4)])  # Qwen3.5: below
 def test_decode_graph_steps_equal_transformers(family: str, page_size: int) -> None:
     """Decode steps through `DecodeGraphs` (eager off CUDA: rows padded to a bucket, padding rows on the
     scratch slot, states read through the static index) give plain transformers' tokens, also on hits."""
@@ -110,10 +110,7 @@ def _replayed_graphs(family: str, page_size: int) -> dict:
     return {"ok": all(same) and len(shapes) >= 2, "same": same, "graphs": shapes}
 
 
-CHECKS = {
-    "qwen3_5_page1": lambda: _replayed_graphs("qwen3_5", 1),
-    "nemotron_h_page16": lambda: _replayed_graphs("nemotron_h", 16),
-}
+CHECKS = {"qwen3_5_page1": lambda: _replayed_graphs("qwen3_5", 1)}
 
 test_replayed_decode_graphs_equal_transformers = interpreter_test(__file__, CHECKS)
 
