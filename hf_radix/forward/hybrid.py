@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..hybrid_layers import state_mixers, state_specs
-from ..memory.page_table import PADDING_ROW
+from ..memory.page_table import PADDING_ROW, to_device
 from ..memory.placement import is_dispatched
 from ..memory.state_pool import StateBatch, StatePool, default_state_slots
 from ..options import EngineOptions
@@ -120,7 +120,5 @@ class GraphStates:
     def load(self, rows: np.ndarray) -> None:
         """Writes the state slots of a padded step's `rows` into the static index (without waiting)."""
         scratch, slot_of = self.pool.scratch_slot, self.manager.row_state_slot
-        slots = torch.tensor([scratch if r == PADDING_ROW else slot_of(r) for r in rows.tolist()])
-        if self.static.device.type == "cuda":
-            slots = slots.pin_memory()
-        self.static[: len(slots)].copy_(slots, non_blocking=True)
+        slots = np.array([scratch if r == PADDING_ROW else slot_of(r) for r in rows.tolist()], dtype=np.int64)
+        self.static[: len(slots)].copy_(to_device(slots, self.static.device))

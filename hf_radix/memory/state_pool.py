@@ -274,13 +274,13 @@ class StateBatch:
     def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Write the rows' new recurrent state, and the layer's conv window, into their slots (the layers
         call this last); return the state as the layer would read it."""
-        dtype = self.pool.tensors[(layer_idx, "recurrent")].dtype
-        self.pool.scatter(layer_idx, "recurrent", self.slots, recurrent_states)
+        states = recurrent_states.to(self.pool.tensors[(layer_idx, "recurrent")].dtype)
+        self.pool.scatter(layer_idx, "recurrent", self.slots, states)
         self._work.pop((layer_idx, "recurrent"), None)
         conv = self._work.pop((layer_idx, "conv"), None)
         if conv is not None:
             self.pool.scatter(layer_idx, "conv", self.slots, conv)
-        return recurrent_states.to(dtype)
+        return states
 
     def flush(self) -> None:
         """Write every state this forward read or updated in place, and not written yet, into the rows'
