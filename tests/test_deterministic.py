@@ -20,7 +20,6 @@ from interpreter import interpreter_test, report_checks
 
 from hf_radix.attention import make_backend
 from hf_radix.forward import invariant_ops as inv
-from hf_radix.lm_eval_backend.model_args import engine_options
 from hf_radix.options import EngineOptions
 from hf_radix.scheduling.logprobs import target_logprobs
 
@@ -28,8 +27,12 @@ from hf_radix.scheduling.logprobs import target_logprobs
 def test_option_default_and_conversion() -> None:
     assert EngineOptions().deterministic is False
     assert EngineOptions.convert("deterministic", "true") is True
+
+
+def test_lm_eval_model_args_turn_the_mode_on() -> None:
+    model_args = pytest.importorskip("hf_radix.lm_eval_backend.model_args", exc_type=ImportError)
     args = {"deterministic": "True", "page_size": "16"}
-    assert engine_options(args) == {"deterministic": True, "page_size": 16}
+    assert model_args.engine_options(args) == {"deterministic": True, "page_size": 16}
 
 
 def test_refusals() -> None:
