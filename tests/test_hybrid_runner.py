@@ -15,6 +15,7 @@ from reference import hf_greedy, hf_logprob
 from hf_radix import RadixBatchRunner, SamplingParams, UnsupportedModelError
 from hf_radix.capability import check_model
 from hf_radix.hybrid_layers import cache_state_api, tiny_hybrid_model
+from hf_radix.scheduling import admission
 from hf_radix.scheduling.admission import PrefillPlanner
 
 pytestmark = [
@@ -168,6 +169,40 @@ def test_scoring_steps_take_the_length_with_the_most_tokens(monkeypatch) -> None
     first_logprobs, first_forwards = score()
     assert max(abs(a - b) for a, b in zip(first_logprobs, logprobs)) <= 1e-4
     assert forwards < first_forwards, (forwards, first_forwards)
+
+
+@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 4), ("lfm2", 1),
+                                                   ("falcon_h1", 16)])
+def test_scoring_rows_of_other_lengths_share_a_forward_padded(family: str, page_size: int,
+                                                              monkeypatch) -> None:
+    """Continuations of 1 to 9 tokens behind shared questions: their last chunks run in steps of one length,
+    the shorter ones padded at their ends, in fewer forwards than a step per length, with log-likelihoods
+    equal to transformers (a zero-padding at the front instead fails here). Generating from the scored texts
+    afterwards (a scoring request keeps no state past its context, padded or not) equals transformers."""
+    model = tiny_hybrid_model(family)
+    gen = torch.Generator().manual_seed(11)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, 96, (n,), generator=gen).tolist()
+
+    shots = ids(24)
+    pairs = [(shots + ids(8), []) for _ in range(4)]
+    pairs = [(context, ids(1 + (3 * i + j) % 9)) for i, (context, _) in enumerate(pairs) for j in range(3)]
+
+    def score() -> tuple[RadixBatchRunner, list[float], int]:
+        runner = RadixBatchRunner(model, max_total_tokens=1024, page_size=page_size)
+        logprobs = [lp for lp, _ in runner.loglikelihood(pairs)]
+        runner.check_integrity()
+        return runner, logprobs, runner.stats.forward_calls
+
+    runner, logprobs, forwards = score()
+    for (context, continuation), logprob in zip(pairs, logprobs):
+        assert abs(logprob - hf_logprob(model, context, continuation)) <= 1e-4
+    _run(runner, model, [context + continuation for context, continuation in pairs[::2]])
+    monkeypatch.setattr(admission, "pads_end", lambda req, end: False)
+    _, unpadded, unpadded_forwards = score()
+    assert max(abs(a - b) for a, b in zip(unpadded, logprobs)) <= 1e-4
+    assert forwards < unpadded_forwards, (forwards, unpadded_forwards)
 
 
 def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:

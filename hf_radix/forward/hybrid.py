@@ -2,8 +2,9 @@
 `(1, N)` sequence; only the state mixers see the step's rows as the batch dimension.
 
 `install_row_hooks` puts a forward pre-hook on each state mixer that reshapes its input `[1, B*T, C]` to
-`[B, T, C]` (every row of a step adds the same `T` tokens, with no padding) and drops its padding mask,
-and a forward hook that reshapes the output back. The hooks read the rows of the radix forward in progress
+`[B, T, C]` (every row of a step adds the same `T` tokens; a scoring request's last chunk may be shorter,
+zero-padded at its end: `scheduling.admission.pads_end`) and drops its padding mask, and a forward hook that
+reshapes the output back. The hooks read the rows of the radix forward in progress
 (`current_forward().state_batch`) and do nothing outside radix forwards, so a plain `forward`/`generate`
 of the same model is unchanged. `state_batch` builds the `StateBatch` of a step: row `i` reads and writes
 its running state slot.
@@ -43,37 +44,47 @@ def hybrid_state_pool(model: torch.nn.Module, options: EngineOptions, kv_shape, 
 
 
 class MixedStepError(RuntimeError):
-    """A hybrid model's step whose rows add different numbers of tokens (the scheduler never makes one)."""
+    """A hybrid model's step the scheduler never makes: rows without a state slot, or a state layer's
+    input that does not split into the step's rows."""
 
 
-def _rows() -> int | None:
+def _state() -> StateBatch | None:
     cache = current_forward()
-    state = None if cache is None else getattr(cache, "state_batch", None)
-    return None if state is None else len(state.slots)
+    return None if cache is None else getattr(cache, "state_batch", None)
 
 
 def _to_rows(module, args, kwargs):
-    rows = _rows()
-    if rows is None:
+    state = _state()
+    if state is None:
         return None
     if "hidden_states" in kwargs:
         hidden = kwargs.pop("hidden_states")
     else:
         hidden, args = args[0], args[1:]
-    if hidden.shape[0] != 1 or hidden.shape[1] % rows:
+    rows = len(state.slots)
+    if state.positions is not None:
+        padded = hidden.new_zeros(rows * state.width, hidden.shape[2])
+        hidden = padded.index_copy_(0, state.positions, hidden[0]).view(rows, state.width, -1)
+    elif hidden.shape[0] != 1 or hidden.shape[1] % rows:
         raise MixedStepError(f"a state layer got {tuple(hidden.shape)} for {rows} rows")
-    kwargs = {**kwargs, "hidden_states": hidden.reshape(rows, hidden.shape[1] // rows, hidden.shape[2])}
+    else:
+        hidden = hidden.reshape(rows, hidden.shape[1] // rows, hidden.shape[2])
+    kwargs = {**kwargs, "hidden_states": hidden}
     for name in _MASK_KWARGS:
         if name in kwargs:
-            kwargs[name] = None  # rows carry no padding in this layout
+            kwargs[name] = None  # the padding (if any) follows every row's tokens: no mask needed
     return args, kwargs
 
 
 def _to_packed(module, args, kwargs, out):
-    if _rows() is None:
+    state = _state()
+    if state is None:
         return None
     first = out[0] if isinstance(out, tuple) else out
-    first = first.reshape(1, -1, first.shape[-1])
+    first = first.reshape(-1, first.shape[-1])
+    if state.positions is not None:
+        first = first.index_select(0, state.positions)
+    first = first[None]
     return (first, *out[1:]) if isinstance(out, tuple) else first
 
 
@@ -89,18 +100,21 @@ def install_row_hooks(model: torch.nn.Module) -> None:
 
 
 def state_batch(manager, step: StepRows) -> StateBatch:
-    """The state slots of `step`'s rows (each row's running slot); every row must add the same number
-    of tokens. Rows that start a sequence next to continuing rows read their zeroed slot."""
-    new = np.asarray(step.new_lens)
-    if len(new) and (new != new[0]).any():
-        raise MixedStepError(
-            f"the rows of a hybrid model's step must add the same number of tokens, got {new.tolist()}"
-        )
+    """The state slots of `step`'s rows (each row's running slot). Rows that start a sequence next to
+    continuing rows read their zeroed slot; rows shorter than the longest are padded at their end."""
     slots = [manager.row_state_slot(int(row)) for row in step.rows]
     if any(s is None for s in slots):
         raise MixedStepError("a row of a hybrid model's step has no state slot (a padding row?)")
     continuing = bool((np.asarray(step.prefix_lens) > 0).any())
-    return StateBatch(manager.state_slots.pool, slots, has_previous=continuing)
+    pool = manager.state_slots.pool
+    new = np.asarray(step.new_lens, dtype=np.int64)
+    width = int(new.max()) if len(new) else 0
+    if not (new < width).any():
+        return StateBatch(pool, slots, has_previous=continuing)
+    starts = np.arange(len(new), dtype=np.int64) * width - (np.cumsum(new) - new)
+    positions = np.repeat(starts, new) + np.arange(int(new.sum()), dtype=np.int64)
+    return StateBatch(pool, slots, has_previous=continuing, width=width,
+                      positions=to_device(positions, pool.device))
 
 
 class GraphStates:

@@ -229,12 +229,19 @@ class StateBatch:
     (Fresh rows batched with continuing rows also work: their slot is zeros.) Layers update states in
     place (single-token decode) or through ``update_*_state``; :meth:`flush` writes the batch's states
     back into the slots once the forward is done.
+
+    ``positions`` (rows of different lengths): where each of the forward's tokens, rows concatenated,
+    sits in the ``[rows, width]`` layout the state layers see, the rest being zero padding at the rows'
+    ends; a row shorter than ``width`` gets exact outputs but an end state that is not its own.
     """
 
-    def __init__(self, pool: StatePool, slots: Sequence[int] | torch.Tensor, has_previous: bool):
+    def __init__(self, pool: StatePool, slots: Sequence[int] | torch.Tensor, has_previous: bool,
+                 width: int = 0, positions: torch.Tensor | None = None):
         self.pool = pool
         self.slots = pool._index(slots)
         self.has_previous = has_previous
+        self.width = width
+        self.positions = positions
         self._work: dict[tuple[int, str], torch.Tensor] = {}
 
     def _get(self, layer_idx: int, kind: str) -> torch.Tensor:

@@ -9,7 +9,9 @@ Hybrid models (state layers; docs/hybrid.md) run prefill steps apart from decode
 one length (`plan(..., uniform=True)`), admit a request only with a free state slot, and end chunks at the
 request's snapshot points (`snapshot_points`): the branch points of prompts sharing prefixes, every
 `state_snapshot_interval` tokens of a long prompt, and the last page boundary before the match end, where
-the scheduler saves the row's state on the tree.
+the scheduler saves the row's state on the tree. The one exception to the single length: a scoring
+request's last chunk, whose end state nothing reads, joins a step of a longer length as a row padded at
+its end (`pads_end`; its logits are exact, its state is dropped).
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ def snapshot_points(reqs: Iterable[Req], page_size: int, interval: int = 0) -> d
     return points
 
 
+def pads_end(req: Req, end: int) -> bool:
+    """Whether `req`'s chunk ending at `end` may be padded at its end in a hybrid model's step: a scoring
+    request's last chunk (its logits come before the padding; its end state is never read again)."""
+    return req.score_from is not None and end == req.prompt_len
+
+
 def screen(req: Req, engine: RadixEngine) -> bool:
     """Whether `req` runs; if not, it is FAILED with its message, or FINISHED (nothing to generate)."""
     if req.status is RequestStatus.FAILED:  # the runner could not convert its tokens
@@ -130,9 +138,10 @@ class PrefillPlanner:
     def plan(self, items: StepItems, uniform: bool = False) -> None:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
         both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
-        every chunk has one length (rows of one forward add the same number of tokens), the one that puts
-        the most tokens in the step (`_preferred_width`), else the first request's; waiting requests of
-        that length are admitted past those of other lengths, which wait their turn."""
+        every chunk has one length (rows of one forward add the same number of tokens; a shorter last chunk
+        of a scoring request is padded to it and costs it), the one that puts the most tokens in the step
+        (`_preferred_width`), else the first request's; waiting requests that fit it are admitted past
+        those that do not, which wait their turn."""
         queues = self.queues
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
@@ -143,16 +152,24 @@ class PrefillPlanner:
             self._fill(items, budget, uniform, None)
 
     def _preferred_width(self, budget: int) -> int | None:
-        """The chunk length with the most tokens (up to `budget`) over the prefilling requests and the
-        first waiting ones, counted from what is cached now (an estimate: a step may admit fewer)."""
-        tokens: dict[int, int] = {}
+        """The chunk length that puts the most tokens (within `budget`, padding counted) in the step, over
+        the prefilling requests and the first waiting ones, counted from what is cached now (an estimate: a
+        step may admit fewer)."""
         starts = [(req, req.computed_len) for req in self.queues.prefilling]
         starts += [(req, self._cached_len(req.match_ids))
                    for req in itertools.islice(self.queues.waiting, UNIFORM_LOOKAHEAD)]
-        for req, start in starts:
-            width = self._chunk_end(req, start, budget) - start
-            tokens[width] = tokens.get(width, 0) + width
-        return max(tokens, key=lambda width: min(tokens[width], budget), default=None)
+        if not starts:
+            return None
+        ends = [self._chunk_end(req, start, budget) for req, start in starts]
+        widths = np.array([end - start for end, (_, start) in zip(ends, starts)], dtype=np.int64)
+        padded = np.array([pads_end(req, end) for end, (req, _) in zip(ends, starts)])
+        best, most = None, -1
+        for width in np.unique(widths).tolist():
+            joining = np.flatnonzero((widths == width) | padded & (widths < width))[: budget // width]
+            tokens = int(widths[joining].sum())
+            if tokens > most:
+                best, most = width, tokens
+        return best
 
     def _cached_len(self, match_ids: np.ndarray) -> int:
         """What `manager.match` would find, on the GPU or in the host tier, copying nothing back."""
@@ -162,6 +179,13 @@ class PrefillPlanner:
             cached = max(cached, manager.host_tier.tree.match_prefix(match_ids[:-1]).cached_len)
         return cached
 
+    def _fits(self, req: Req, start: int, budget: int, width: int | None) -> bool:
+        """Whether `req`'s next chunk from `start` joins a uniform step of length `width` (None: any)."""
+        if width is None:
+            return True
+        end = self._chunk_end(req, start, budget)
+        return end - start == width or end - start < width <= budget and pads_end(req, end)
+
     def _fill(self, items: StepItems, budget: int, uniform: bool, width: int | None) -> None:
         """`plan`'s chunks; `width`: the uniform step's chunk length (None: the first chunk's)."""
         queues, manager = self.queues, self.manager
@@ -170,11 +194,11 @@ class PrefillPlanner:
         for req in queues.prefilling:
             if budget <= 0:
                 break
-            start = req.computed_len
-            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+            if uniform and not self._fits(req, req.computed_len, budget, width):
                 continue
-            width = self._add_chunk(items, in_batch, req, budget)
-            budget -= width
+            size = self._add_chunk(items, in_batch, req, budget)
+            width = width or size
+            budget -= max(size, width) if uniform else size
         deferred: list[Req] = []
         ps = manager.page_size
         states = manager.state_slots
@@ -187,8 +211,7 @@ class PrefillPlanner:
             if shared - handle.cached_len >= max(1 if uniform else MIN_SHARED_TO_DEFER, ps):
                 deferred.append(queues.waiting.popleft())  # a batch-mate computes this prefix this step
                 continue
-            start = handle.cached_len
-            if uniform and width is not None and self._chunk_end(req, start, budget) - start != width:
+            if uniform and not self._fits(req, handle.cached_len, budget, width):
                 other_widths += 1
                 if other_widths > UNIFORM_LOOKAHEAD:
                     break
@@ -205,8 +228,9 @@ class PrefillPlanner:
             queues.waiting.popleft()
             queues.admit(req, manager.open_row(handle), handle.cached_len, handle.restored_len)
             self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
-            width = self._add_chunk(items, in_batch, req, budget)
-            budget -= width
+            size = self._add_chunk(items, in_batch, req, budget)
+            width = width or size
+            budget -= max(size, width) if uniform else size
             reserved += need
         queues.waiting.extendleft(reversed(deferred))
 
