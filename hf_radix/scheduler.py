@@ -91,7 +91,7 @@ class Scheduler:
         )
         self.queues = RequestQueues()
         self.planner = PrefillPlanner(engine, self.queues, chunked_prefill_size, max_running_requests)
-        self.hybrid = engine.manager.state_slots is not None  # prefill and decode steps apart
+        self.hybrid = engine.hybrid  # prefill and decode steps apart
         self._step_running: RunningRows | None = None  # the decode rows of the step being scheduled
         self.step_times = StepTimes()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []

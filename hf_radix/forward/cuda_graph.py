@@ -220,7 +220,7 @@ class DecodeGraphs(_CapturedForwards):
     def __init__(
         self, engine: ForwardEngine, max_batch: int, fused_ops: bool = True, shared_prefix: bool = False
     ):
-        hybrid = engine.manager.state_slots is not None  # its norms are not all Llama-style: HF's own
+        hybrid = engine.hybrid  # its norms are not all Llama-style: HF's own
         super().__init__(engine, max_batch, max_batch, fused_ops and not hybrid)
         self.states = GraphStates(engine.manager, max_batch, engine.device) if hybrid else None
         self.sizes = bucket_sizes(max_batch)

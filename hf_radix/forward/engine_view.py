@@ -26,6 +26,7 @@ class ForwardEngine(Protocol):
     backend: AttentionBackend
     max_context: int
     kv_layer_index: list[int]  # the pool layer of each decoder layer (-1: a state layer)
+    hybrid: bool  # state layers: the manager keeps a state slot per row (forward.hybrid)
 
     @property
     def device(self) -> torch.device: ...

@@ -71,7 +71,7 @@ class ModelRunner:
         self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
             self.decode_graphs = DecodeGraphs(engine, max_batch, fused_ops, self.shared_prefix)
-            if engine.manager.state_slots is None:  # a hybrid model's rows add equal tokens: no padding row
+            if not engine.hybrid:  # a hybrid model's rows add equal tokens: no padding row
                 self.extend_graphs = ExtendGraphs(engine, extend_rows, extend_tokens, fused_ops)
         self.warm_up_times: dict[str, float] = {}
         self.released = False
@@ -153,7 +153,7 @@ class ModelRunner:
                 captured = None
         if captured is None:
             batch = eager_batch(self.engine, step)
-            if self.engine.manager.state_slots is not None:  # a hybrid model: the rows' state slots
+            if self.engine.hybrid:  # a hybrid model: the rows' state slots
                 batch.state_batch = state_batch(self.engine.manager, step)
             if self.eager_shared is not None and step.is_decode:
                 batch.shared_prefix = self.eager_shared.share(step)
@@ -236,7 +236,7 @@ class ModelRunner:
         cached K/V. `eager_s` is mostly Triton compiles; `capture_s` the graph captures. Nothing for a
         hybrid model (no graphs; a padding row has no state slot).
         """
-        if self.engine.manager.state_slots is not None:
+        if self.engine.hybrid:
             return {}
         if self.warm_up_times:
             self._capture_all()
