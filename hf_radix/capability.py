@@ -3,12 +3,12 @@
 A model runs only if every attention layer goes through transformers' attention interface
 (``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
 the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
-first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
-and hybrid models other than the hybrid families hf_radix runs with a state pool (`_check_hybrid`,
-docs/hybrid.md: the others are refused with their reason), multimodal models (two
-different images behind the same placeholder tokens would share K/V; the Qwen3.5 vision-language
-wrappers run text prompts only, `vlm_text`), encoder-decoders. At run time every
-radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
+first forward: attention computed by the model itself (Bloom, GPT-Neo, MPT; Falcon before 5.25), an ALiBi
+position bias (Falcon's `alibi`), recurrent and hybrid models other than the hybrid families hf_radix runs
+with a state pool (`_check_hybrid`, docs/hybrid.md: the others are refused with their reason), multimodal
+models (two different images behind the same placeholder tokens would share K/V; the Qwen3.5
+vision-language wrappers run text prompts only, `vlm_text`), encoder-decoders. At run time every radix
+forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     hybrid = _check_hybrid(model, refuse)
     if not hybrid:
         _check_recurrent(model, refuse)
+    if getattr(model.config.get_text_config(decoder=True), "alibi", False):
+        # Falcon: its 5.25 layers call the attention interface with the bias added to the mask
+        raise refuse("it adds an ALiBi position bias to the attention mask, which radix attention ignores")
     attention = _attention_layers(model, refuse, hybrid)
     ids = tuple(sorted(m.layer_idx for m in attention))
     shape = replace(_kv_shape(attention[0], model.config), num_layers=len(ids))

@@ -115,6 +115,12 @@ def test_attention_outside_the_interface_is_named_as_such_not_recurrent_or_multi
         _refused(model, cls)
 
 
+def test_alibi_position_bias_is_refused():
+    """ALiBi Falcon: from 5.25 its attention calls the interface, with the bias added to the mask."""
+    falcon = _tiny("FalconConfig", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, alibi=True)
+    _refused(falcon, "ALiBi position bias")
+
+
 def test_decoder_sub_configs_and_attention_wrappers_are_not_refused():
     """DBRX: attn_config / ffn_config describe its decoder, and DbrxNormAttentionNorm wraps an attention
     module that calls the interface (exactness: the architecture matrix)."""
