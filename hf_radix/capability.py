@@ -25,7 +25,7 @@ import transformers
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
-from .hybrid_layers import FAMILIES, cache_state_api, refusal_reason
+from .hybrid_layers import FAMILIES, cache_state_api, hub_kernels_in_state_layers, refusal_reason
 from .memory.kv_pool import KVShape
 from .vlm_text import placeholder_refusal, text_only, text_stack
 
@@ -179,6 +179,12 @@ def _check_hybrid(model: torch.nn.Module, refuse) -> bool:
             f"this transformers ({transformers.__version__}) has its state layers bypass the Cache methods "
             "hf_radix's state pool implements (get_conv_state, update_recurrent_state, ...); hybrid models "
             "need a transformers that has them (5.24 does)"
+        )
+    hub = hub_kernels_in_state_layers(model)
+    if hub:
+        raise refuse(
+            f"its state layers run hub kernels ({', '.join(hub)}: kernelize / use_kernels) that may keep the "
+            "states outside the Cache methods hf_radix's state pool implements; load it without use_kernels"
         )
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES})

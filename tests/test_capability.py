@@ -150,3 +150,36 @@ def test_hybrid_model_is_refused_where_state_layers_bypass_the_cache_api(monkeyp
         pytest.skip("no hybrid family in this transformers")
     monkeypatch.setattr(capability, "cache_state_api", lambda: False)
     _refused(tiny_hybrid_model(name), "bypass the Cache methods")
+
+
+
+def test_hybrid_state_code_replaced_by_hub_kernels_is_refused(monkeypatch):
+    """`kernelize` (transformers >= 5.25 with `kernels`) gives a kernel function an instance-level forward:
+    one that takes the cache, or a whole state mixer replaced, may keep the states itself and is refused; a
+    kernel that only computes (a convolution) is not."""
+    from hf_radix import capability
+    from hf_radix.hybrid_layers import state_mixers, tiny_hybrid_model
+
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("no Qwen3.5 in this transformers")
+
+    class ConvForward(torch.nn.Module):  # what kernels makes of a function: forward(self, *its parameters)
+        def forward(self, conv1d, hidden_states, cache, layer_idx, activation=None):
+            return hidden_states
+
+    class ConvFn(torch.nn.Module):
+        def forward(self, hidden_states, weight, bias=None, activation=None):
+            return hidden_states
+
+    monkeypatch.setattr(capability, "cache_state_api", lambda: True)  # 5.17: else refused for that first
+    model = tiny_hybrid_model("qwen3_5")
+    mixer = next(iter(state_mixers(model).values()))
+    funcs = {"causal_conv1d_fn": ConvFn(), "causal_conv1d_forward": ConvForward()}
+    monkeypatch.setattr(mixer, "_kernel_funcs", funcs, raising=False)
+    funcs["causal_conv1d_fn"].forward = lambda *args, **kwargs: args[0]
+    check_model(model)
+    funcs["causal_conv1d_forward"].forward = lambda *args, **kwargs: args[1]
+    _refused(model, r"hub kernels \(causal_conv1d_forward: kernelize")
+    del funcs["causal_conv1d_forward"]
+    mixer.forward = lambda *args, **kwargs: args[0]
+    _refused(model, rf"hub kernels \({type(mixer).__name__}: kernelize")
