@@ -68,10 +68,12 @@ MULTIMODAL_CONFIG_KEYS = (
     "vision_config", "audio_config", "video_config", "speech_config", "vision_tower", "audio_encoder",
     "image_token_id", "image_token_index", "video_token_id", "audio_token_id", "audio_token_index",
 )
-# Cache calls and state names of state-space and linear-attention layers.
+# Cache calls and state names of state-space and linear-attention layers (5.25: some hand the cache to a
+# convolution or scan function instead).
 RECURRENT_MARKERS = (
     "update_conv_state", "update_recurrent_state", "conv_states", "ssm_states", "cache_params",
-    "recurrent_states", "set_linear_cache",
+    "recurrent_states", "set_linear_cache", "causal_conv1d_forward", "mamba_scan_forward",
+    "mamba2_scan_forward",
 )
 
 
