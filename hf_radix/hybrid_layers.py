@@ -150,12 +150,19 @@ def hub_kernels_in_state_layers(model: nn.Module) -> list[str]:
     convolution, a scan given its state) are not listed."""
     found = []
     for mixer in state_mixers(model).values():
-        if "forward" in vars(mixer):
+        if _hub_replaced(mixer):
             found.append(type(mixer).__name__)
         for name, func in vars(mixer).get("_kernel_funcs", {}).items():
-            if "forward" in vars(func) and "cache" in inspect.signature(type(func).forward).parameters:
+            if _hub_replaced(func) and "cache" in inspect.signature(type(func).forward).parameters:
                 found.append(name)
     return sorted(set(found))
+
+
+def _hub_replaced(module: nn.Module) -> bool:
+    """Whether ``kernelize`` gave ``module`` (of a hub-replaceable class) a forward of its own; an accelerate
+    hook's forward is not one."""
+    hub = hasattr(type(module), "kernel_layer_name")
+    return hub and "forward" in vars(module) and not hasattr(module, "_hf_hook")
 
 
 def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateLayerSpec]:

@@ -164,10 +164,14 @@ def test_hybrid_state_code_replaced_by_hub_kernels_is_refused(monkeypatch):
         pytest.skip("no Qwen3.5 in this transformers")
 
     class ConvForward(torch.nn.Module):  # what kernels makes of a function: forward(self, *its parameters)
+        kernel_layer_name = "causal_conv1d_forward"
+
         def forward(self, conv1d, hidden_states, cache, layer_idx, activation=None):
             return hidden_states
 
     class ConvFn(torch.nn.Module):
+        kernel_layer_name = "causal_conv1d_fn"
+
         def forward(self, hidden_states, weight, bias=None, activation=None):
             return hidden_states
 
@@ -181,5 +185,6 @@ def test_hybrid_state_code_replaced_by_hub_kernels_is_refused(monkeypatch):
     funcs["causal_conv1d_forward"].forward = lambda *args, **kwargs: args[1]
     _refused(model, r"hub kernels \(causal_conv1d_forward: kernelize")
     del funcs["causal_conv1d_forward"]
+    monkeypatch.setattr(type(mixer), "kernel_layer_name", type(mixer).__name__, raising=False)
     mixer.forward = lambda *args, **kwargs: args[0]
     _refused(model, rf"hub kernels \({type(mixer).__name__}: kernelize")
