@@ -19,7 +19,7 @@ setup(
     packages=find_packages(include=["hf_radix", "hf_radix.*"]),
     package_data={"hf_radix.kernels": ["*.cu"]},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "transformers>=5.17,<5.25", "numpy", "tqdm", "safetensors"],
+    install_requires=["torch>=2.4", "transformers>=5.17,<6", "numpy", "tqdm", "safetensors"],
     extras_require={
         "triton": ["triton>=3.0"],
         # hybrid models' Gated DeltaNet layers: transformers picks these Triton kernels over its torch paths

@@ -3,12 +3,12 @@
 A model runs only if every attention layer goes through transformers' attention interface
 (``ALL_ATTENTION_FUNCTIONS``, which is where the "radix" attention plugs in) and passes it only arguments
 the radix attention implements. Everything else is refused with :class:`UnsupportedModelError` before the
-first forward: attention computed by the model itself (Bloom, Falcon: ALiBi; GPT-Neo, MPT), recurrent
-and hybrid models other than the hybrid families hf_radix runs with a state pool (`_check_hybrid`,
-docs/hybrid.md: the others are refused with their reason), multimodal models (two
-different images behind the same placeholder tokens would share K/V; the Qwen3.5 vision-language
-wrappers run text prompts only, `vlm_text`), encoder-decoders. At run time every
-radix forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
+first forward: attention computed by the model itself (Bloom, GPT-Neo, MPT; Falcon before 5.25), an ALiBi
+position bias (Falcon's `alibi`), recurrent and hybrid models other than the hybrid families hf_radix runs
+with a state pool (`_check_hybrid`, docs/hybrid.md: the others are refused with their reason), multimodal
+models (two different images behind the same placeholder tokens would share K/V; the Qwen3.5
+vision-language wrappers run text prompts only, `vlm_text`), encoder-decoders. At run time every radix
+forward counts the calls of the radix attention and raises the same error if a layer bypassed it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import transformers
 from transformers.utils import logging
 
 from .errors import UnsupportedModelError
-from .hybrid_layers import FAMILIES, cache_state_api, refusal_reason
+from .hybrid_layers import FAMILIES, cache_state_api, hub_kernels_in_state_layers, refusal_reason
 from .memory.kv_pool import KVShape
 from .vlm_text import placeholder_refusal, text_only, text_stack
 
@@ -68,10 +68,12 @@ MULTIMODAL_CONFIG_KEYS = (
     "vision_config", "audio_config", "video_config", "speech_config", "vision_tower", "audio_encoder",
     "image_token_id", "image_token_index", "video_token_id", "audio_token_id", "audio_token_index",
 )
-# Cache calls and state names of state-space and linear-attention layers.
+# Cache calls and state names of state-space and linear-attention layers (5.25: some hand the cache to a
+# convolution or scan function instead).
 RECURRENT_MARKERS = (
     "update_conv_state", "update_recurrent_state", "conv_states", "ssm_states", "cache_params",
-    "recurrent_states", "set_linear_cache",
+    "recurrent_states", "set_linear_cache", "causal_conv1d_forward", "mamba_scan_forward",
+    "mamba2_scan_forward",
 )
 
 
@@ -150,6 +152,9 @@ def check_model(model: torch.nn.Module) -> ModelSupport:
     hybrid = _check_hybrid(model, refuse)
     if not hybrid:
         _check_recurrent(model, refuse)
+    if getattr(model.config.get_text_config(decoder=True), "alibi", False):
+        # Falcon: its 5.25 layers call the attention interface with the bias added to the mask
+        raise refuse("it adds an ALiBi position bias to the attention mask, which radix attention ignores")
     attention = _attention_layers(model, refuse, hybrid)
     ids = tuple(sorted(m.layer_idx for m in attention))
     shape = replace(_kv_shape(attention[0], model.config), num_layers=len(ids))
@@ -176,6 +181,12 @@ def _check_hybrid(model: torch.nn.Module, refuse) -> bool:
             f"this transformers ({transformers.__version__}) has its state layers bypass the Cache methods "
             "hf_radix's state pool implements (get_conv_state, update_recurrent_state, ...); hybrid models "
             "need a transformers that has them (5.24 does)"
+        )
+    hub = hub_kernels_in_state_layers(model)
+    if hub:
+        raise refuse(
+            f"its state layers run hub kernels ({', '.join(hub)}: kernelize / use_kernels) that may keep the "
+            "states outside the Cache methods hf_radix's state pool implements; load it without use_kernels"
         )
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     other = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES | HYBRID_LAYER_TYPES})

@@ -11,6 +11,7 @@ first forward.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "REFUSED_FAMILIES",
     "StateKindSpec",
     "StateLayerSpec",
+    "hub_kernels_in_state_layers",
     "probe_state_specs",
     "refusal_reason",
     "state_specs",
@@ -138,6 +140,29 @@ def state_mixers(model: nn.Module) -> dict[int, nn.Module]:
         raise ValueError(f"{mtype!r} is not a known hybrid or state-space family")
     mixers = {idx: _mixer(layer, FAMILIES[mtype]) for idx, layer in enumerate(_layers(model))}
     return {idx: mixer for idx, mixer in mixers.items() if mixer is not None}
+
+
+def hub_kernels_in_state_layers(model: nn.Module) -> list[str]:
+    """What the ``kernels`` hub replaced (``kernelize`` / ``use_kernels=True``, transformers >= 5.25) in the
+    code that handles ``model``'s states: a whole state mixer (``Qwen3_5GatedDeltaNet``) or a function its
+    mixer hands the cache to (``causal_conv1d_forward``, ``mamba2_scan_forward``). Such a kernel may keep
+    the states itself instead of calling the ``Cache`` state methods; kernels that only compute (a
+    convolution, a scan given its state) are not listed."""
+    found = []
+    for mixer in state_mixers(model).values():
+        if _hub_replaced(mixer):
+            found.append(type(mixer).__name__)
+        for name, func in vars(mixer).get("_kernel_funcs", {}).items():
+            if _hub_replaced(func) and "cache" in inspect.signature(type(func).forward).parameters:
+                found.append(name)
+    return sorted(set(found))
+
+
+def _hub_replaced(module: nn.Module) -> bool:
+    """Whether ``kernelize`` gave ``module`` (of a hub-replaceable class) a forward of its own; an accelerate
+    hook's forward is not one."""
+    hub = hasattr(type(module), "kernel_layer_name")
+    return hub and "forward" in vars(module) and not hasattr(module, "_hf_hook")
 
 
 def state_specs(model: nn.Module, dtype: torch.dtype | None = None) -> list[StateLayerSpec]:

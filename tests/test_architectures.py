@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import transformers
 from model_matrix import ARCHITECTURES, architecture_table, check_architecture
+from transformers.models.falcon.modeling_falcon import FalconAttention
 
+from hf_radix.capability import _attention_call_keywords
 from hf_radix.hybrid_layers import cache_state_api
 
-REFUSED = {"Bloom", "Falcon", "GPTNeo", "Mpt", "Mamba", "Jamba", "MiniMax", "RecurrentGemma", "Mamba2",
+REFUSED = {"Bloom", "GPTNeo", "Mpt", "Mamba", "Jamba", "MiniMax", "RecurrentGemma", "Mamba2",
            "Llava"}
 #: exact where the state layers use the Cache API (5.24), else refused
 HYBRID = {"Qwen3Next", "FalconH1", "Qwen3_5", "Qwen3_5Moe", "Qwen3_5VL", "NemotronH", "GraniteMoeHybrid",
@@ -26,6 +28,8 @@ _results: dict[str, dict] = {}
 def _expected(name: str) -> str:
     if name == "GPTJ" and not getattr(transformers.GPTJForCausalLM, "_supports_attention_backend", False):
         return "refused"  # before transformers moved GPT-J to the attention interface (e.g. 5.17)
+    if name == "Falcon" and _attention_call_keywords(FalconAttention) is None:
+        return "refused"  # before 5.25 FalconAttention computed attention itself
     if name in HYBRID and not cache_state_api():
         return "refused"
     return "refused" if name in REFUSED else "exact"

@@ -115,6 +115,12 @@ def test_attention_outside_the_interface_is_named_as_such_not_recurrent_or_multi
         _refused(model, cls)
 
 
+def test_alibi_position_bias_is_refused():
+    """ALiBi Falcon: from 5.25 its attention calls the interface, with the bias added to the mask."""
+    falcon = _tiny("FalconConfig", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, alibi=True)
+    _refused(falcon, "ALiBi position bias")
+
+
 def test_decoder_sub_configs_and_attention_wrappers_are_not_refused():
     """DBRX: attn_config / ffn_config describe its decoder, and DbrxNormAttentionNorm wraps an attention
     module that calls the interface (exactness: the architecture matrix)."""
@@ -144,3 +150,41 @@ def test_hybrid_model_is_refused_where_state_layers_bypass_the_cache_api(monkeyp
         pytest.skip("no hybrid family in this transformers")
     monkeypatch.setattr(capability, "cache_state_api", lambda: False)
     _refused(tiny_hybrid_model(name), "bypass the Cache methods")
+
+
+
+def test_hybrid_state_code_replaced_by_hub_kernels_is_refused(monkeypatch):
+    """`kernelize` (transformers >= 5.25 with `kernels`) gives a kernel function an instance-level forward:
+    one that takes the cache, or a whole state mixer replaced, may keep the states itself and is refused; a
+    kernel that only computes (a convolution) is not."""
+    from hf_radix import capability
+    from hf_radix.hybrid_layers import state_mixers, tiny_hybrid_model
+
+    if not hasattr(transformers, "Qwen3_5ForCausalLM"):
+        pytest.skip("no Qwen3.5 in this transformers")
+
+    class ConvForward(torch.nn.Module):  # what kernels makes of a function: forward(self, *its parameters)
+        kernel_layer_name = "causal_conv1d_forward"
+
+        def forward(self, conv1d, hidden_states, cache, layer_idx, activation=None):
+            return hidden_states
+
+    class ConvFn(torch.nn.Module):
+        kernel_layer_name = "causal_conv1d_fn"
+
+        def forward(self, hidden_states, weight, bias=None, activation=None):
+            return hidden_states
+
+    monkeypatch.setattr(capability, "cache_state_api", lambda: True)  # 5.17: else refused for that first
+    model = tiny_hybrid_model("qwen3_5")
+    mixer = next(iter(state_mixers(model).values()))
+    funcs = {"causal_conv1d_fn": ConvFn(), "causal_conv1d_forward": ConvForward()}
+    monkeypatch.setattr(mixer, "_kernel_funcs", funcs, raising=False)
+    funcs["causal_conv1d_fn"].forward = lambda *args, **kwargs: args[0]
+    check_model(model)
+    funcs["causal_conv1d_forward"].forward = lambda *args, **kwargs: args[1]
+    _refused(model, r"hub kernels \(causal_conv1d_forward: kernelize")
+    del funcs["causal_conv1d_forward"]
+    monkeypatch.setattr(type(mixer), "kernel_layer_name", type(mixer).__name__, raising=False)
+    mixer.forward = lambda *args, **kwargs: args[0]
+    _refused(model, rf"hub kernels \({type(mixer).__name__}: kernelize")

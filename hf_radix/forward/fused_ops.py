@@ -19,7 +19,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from types import CodeType, ModuleType
+from types import CodeType, FunctionType, ModuleType
 
 import torch
 from transformers.models.llama import modeling_llama
@@ -32,12 +32,30 @@ logger = logging.get_logger(__name__)
 _fusing: ContextVar[bool] = ContextVar("hf_radix_fusing", default=False)  # this context is capturing
 
 
-def _same_code(fn: object, reference: Callable) -> bool:
-    """Whether `fn` is a function with exactly `reference`'s bytecode, names and constants (docs aside)."""
-    code: CodeType | None = getattr(fn, "__code__", None)
-    ref = reference.__code__
-    if code is None:
+def _function(fn: object) -> FunctionType | None:
+    """`fn` if it is a function, the function a kernels-hub wrapper calls, else None.
+
+    With the `kernels` package installed, transformers >= 5.25 turns the functions it marks
+    `@use_kernel_forward_from_hub` (`apply_rotary_pos_emb`) into instances of an `nn.Module` class whose
+    `forward` calls the original function, a free variable `func` of that `forward`.
+    """
+    if isinstance(fn, FunctionType):
+        return fn
+    forward = getattr(type(fn), "forward", None)
+    code: CodeType | None = getattr(forward, "__code__", None)
+    if not hasattr(type(fn), "kernel_layer_name") or code is None or "func" not in code.co_freevars:
+        return None
+    inner = forward.__closure__[code.co_freevars.index("func")].cell_contents
+    return inner if isinstance(inner, FunctionType) else None
+
+
+def _same_code(fn: object, reference: object) -> bool:
+    """Whether `fn` is a function (or wraps one: `_function`) with exactly `reference`'s bytecode, names and
+    constants (docs aside)."""
+    fn, reference = _function(fn), _function(reference)
+    if fn is None or reference is None:
         return False
+    code, ref = fn.__code__, reference.__code__
 
     def consts(c: CodeType) -> tuple:
         return tuple(x for x in c.co_consts if not isinstance(x, str))

@@ -333,6 +333,14 @@ class StateCacheMixin:
         # No speculative rollback: single-token decode may update the states in place.
         return False
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        # transformers >= 5.25: intermediate states kept for a rollback; none without one.
+        return 0
+
+    def increase_count(self, layer_idx: int, state_idx: int = 0) -> None:
+        # transformers >= 5.25 counts a layer's tokens at an in-place decode step; hf_radix counts its own.
+        self._check_state_idx(state_idx)
+
     @staticmethod
     def _check_state_idx(state_idx: int) -> None:
         if state_idx != 0:
