@@ -254,3 +254,23 @@ def test_host_tier_keeps_evicted_prefixes_and_their_snapshots(family: str, page_
     assert all(o.host_cached_tokens > 0 for o in outs)
     assert runner.engine.host_tier.restored_tokens > 0
     runner.check_integrity()
+
+
+def test_a_request_restored_from_the_host_tier_then_deferred_counts_its_host_tokens() -> None:
+    """Two prompts back from the host tier with chunks of other lengths: the step takes the longer chunk, and
+    the other request, whose match already copied its prefix back, waits a step; its output still counts the
+    tokens that came from the host tier."""
+    model = tiny_hybrid_model("qwen3_5")
+    runner = RadixBatchRunner(model, max_total_tokens=96, page_size=1, host_cache_tokens=1024)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 96, (30,), generator=gen).tolist() for _ in range(5)]
+    for prompt in prompts:  # one at a time: the later ones evict the first two from the GPU
+        _run(runner, model, [prompt])
+    again = [prompts[0] + torch.randint(3, 96, (5,), generator=gen).tolist(),
+             prompts[1] + torch.randint(3, 96, (9,), generator=gen).tolist()]
+    calls = runner.stats.forward_calls
+    outs = runner.run(again, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(model, p, NEW) for p in again]
+    assert runner.stats.forward_calls - calls > NEW + 1  # not one prefill step: a request was deferred
+    assert [o.host_cached_tokens for o in outs] == [o.cached_tokens for o in outs] == [29, 29]
+    runner.check_integrity()

@@ -206,6 +206,7 @@ class PrefillPlanner:
         while queues.waiting and budget > 0 and queues.active() < self.max_running_requests:
             req = queues.waiting[0]
             handle = manager.match(req.match_ids)
+            req.host_restored = max(req.host_restored, handle.restored_len)  # a deferral keeps the count
             shared = in_batch.match_prefix(req.match_ids[:-1]).cached_len
             # (hybrid: any page, since the batch-mate's chunk ends at its branch point, snapshotted)
             if shared - handle.cached_len >= max(1 if uniform else MIN_SHARED_TO_DEFER, ps):
@@ -226,8 +227,9 @@ class PrefillPlanner:
                 manager.unlock(handle)
                 break
             queues.waiting.popleft()
-            queues.admit(req, manager.open_row(handle), handle.cached_len, handle.restored_len)
-            self.engine.record_prompt(req.prompt_len, handle.cached_len, handle.restored_len)
+            restored = min(req.host_restored, handle.cached_len)
+            queues.admit(req, manager.open_row(handle), handle.cached_len, restored)
+            self.engine.record_prompt(req.prompt_len, handle.cached_len, restored)
             size = self._add_chunk(items, in_batch, req, budget)
             width = width or size
             budget -= max(size, width) if uniform else size

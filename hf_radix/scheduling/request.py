@@ -61,6 +61,7 @@ class Req:
     row: int | None = None
     cached_len: int = 0
     host_cached_len: int = 0
+    host_restored: int = 0  # the most tokens a match copied back from the host tier while it waited
     computed_len: int = 0
     launched: int = 0  # generated tokens whose sampling has been launched (known or still on the device)
     launch_limit: int = 0  # generated tokens to launch at most (set when the request starts decoding)
