@@ -26,6 +26,7 @@ from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..scheduling.row_tokens import host_inputs
 from .generate_hybrid import HybridSteps
 from .generate_rows import GenerateRows
+from .prefix_sharing import call_targets, reopen_followers
 
 if TYPE_CHECKING:
     from ..engine import RadixEngine
@@ -154,6 +155,10 @@ class RadixGenerateCache(RadixCache):
         else:
             self.rows.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
         self.seen = total
+        if self.steps == 0:
+            while leaders := call_targets(self.rows):  # shared prefixes once (`prefix_sharing`)
+                self._compute(leaders, model)
+                reopen_followers(self.rows, leaders)
         if self.steps == 0 and self.prefill_chunk_size:
             self._prefill_in_chunks(model)
 
@@ -182,6 +187,9 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
+        if call_targets(self.rows):  # shared prefixes first: generate's own step runs the rest
+            self._ahead = (ids, None, None)
+            return
         step = self.rows.step()
         logits = None
         stream = self.engine.side_stream("prefill_ahead")
@@ -321,7 +329,21 @@ class RadixGenerateCache(RadixCache):
                     break
             if not ends:
                 return
-            kwargs = {"use_cache": True, "return_dict": True}
+            self._compute(ends, module)
+
+    def _compute(self, targets: dict[int, int], module: torch.nn.Module) -> None:
+        """Computes each row `b` of `targets` from its computed length to `targets[b]` (prompt tokens, no
+        logits kept), in forwards of at most `prefill_chunk_size` tokens when it is set."""
+        reqs = self.rows.reqs
+        kwargs = {"use_cache": True, "return_dict": True}
+        budget = self.prefill_chunk_size or sum(end - reqs[b].computed_len for b, end in targets.items())
+        while pending := {b: end for b, end in targets.items() if reqs[b].computed_len < end}:
+            ends, left = {}, budget
+            for b, end in pending.items():
+                take = min(end - reqs[b].computed_len, left)
+                if take > 0:
+                    ends[b] = reqs[b].computed_len + take
+                    left -= take
             if self.hybrid is not None:  # rows of equal lengths a forward; they note what they computed
                 self.hybrid.run(ends, functools.partial(self._forward_rows, inner=module, kwargs=kwargs))
                 continue
@@ -329,7 +351,7 @@ class RadixGenerateCache(RadixCache):
             chunk = functools.partial(self._eager, embeds=embeds, inner=module, kwargs=kwargs)
             self.model_runner.forward(step, chunk, graphs=False)
             for b, end in ends.items():
-                self.rows.reqs[b].computed_len = end
+                reqs[b].computed_len = end
 
     def finish(self, sequences: torch.Tensor | None = None) -> None:
         """Caches every row's prompt and answer (up to its first EOS) and releases all locks.
