@@ -18,17 +18,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..scheduling.admission import common_prefix
+
 if TYPE_CHECKING:
     from .generate_rows import GenerateRows
 
 MIN_SHARED = 16  # tokens a follower must reuse (and at least a page)
 MIN_SAVED = 256  # tokens a round must save in all for its extra forward
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], page_size: int
@@ -42,7 +38,7 @@ def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], pag
     """
     order = sorted(prompts, key=lambda b: prompts[b].tobytes())  # byte order: neighbours share most
     least = max(MIN_SHARED, page_size)
-    shared = [min(_common_prefix(prompts[a], prompts[b]), len(prompts[a]) - 1, len(prompts[b]) - 1)
+    shared = [min(common_prefix(prompts[a], prompts[b]), len(prompts[a]) - 1, len(prompts[b]) - 1)
               // page_size * page_size for a, b in zip(order, order[1:])]
     runs, start = [], 0  # (rows, what neighbours share) of each run
     for k in range(len(order)):

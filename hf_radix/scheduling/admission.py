@@ -39,7 +39,8 @@ def match_end(req: Req) -> int:
     return len(req.match_ids) - 1
 
 
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if len(differ) else n
@@ -49,7 +50,7 @@ def _branch_depths(keys: list[np.ndarray]) -> list[set[int]]:
     """Per key, every length at which it branches from another key: the distinct lengths of its longest
     common prefixes with each of the others (the depths of its path's branch nodes in their trie)."""
     order = sorted(range(len(keys)), key=lambda i: keys[i].tobytes())  # byte order: neighbours share most
-    common = [_common_prefix(keys[a], keys[b]) for a, b in zip(order, order[1:])]
+    common = [common_prefix(keys[a], keys[b]) for a, b in zip(order, order[1:])]
     depths: list[set[int]] = [set() for _ in keys]
     # a key's common prefix with a farther key is the least of the neighbours' common prefixes between
     # them: a stack of those minima, kept increasing, sweeping each way
