@@ -7,6 +7,10 @@ CUDA-graph capture, timed separately: `setup`); the first run (the shared worklo
 reported next to the steady one, and each decode step's host time (schedule + launch) and GPU time.
 `--tiny` runs a CPU-sized self-check.
 
+`--generate` adds the key `generate`: the shared workload through radix `generate` (batches of `--hf-batch`
+rows, the cache emptied before each variant), with the prefix a call's rows share computed once
+(`integrations/prefix_sharing.py`) and, for comparison, with that off (every row computes it).
+
 `--groups16` adds a second part under the key `groups16`: 16 groups x 16 prompts, 1,024-token system
 prompt + 512-token question, 128 new tokens (same measurements; its own warm-up run first). Each part
 records `shared_prefix_steps`: decode steps whose attention read each group's prefix once (shared-prefix
@@ -30,6 +34,7 @@ from compile_log import CompileLog  # noqa: E402
 
 import hf_radix  # noqa: E402
 from hf_radix import RadixBatchRunner, SamplingParams  # noqa: E402
+from hf_radix.integrations import prefix_sharing  # noqa: E402
 
 
 def make_prompts(
@@ -99,6 +104,27 @@ def prefill_check(model, runner: RadixBatchRunner, prompts, device: str) -> floa
     return worst
 
 
+def generate_part(model, runner: RadixBatchRunner, prompts: list[list[int]], new_tokens: int, batch: int,
+                  hf_s: float, device: str) -> dict:
+    """`--generate`: the prompts through radix `generate`, prefix sharing on and off (each from empty)."""
+    default = prefix_sharing.MIN_SAVED
+    out = {}
+    for name, min_saved in (("shared_once", default), ("per_row", sys.maxsize)):
+        prefix_sharing.MIN_SAVED = min_saved  # sys.maxsize: no round ever pays
+        runner.reset_cache()
+        before = hf_radix.cache_stats(model)["computed_tokens"]
+        with timer(device) as t, torch.inference_mode():
+            for i in range(0, len(prompts), batch):
+                ids = torch.tensor(prompts[i : i + batch], device=device)
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                               min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                               cache_implementation="radix")
+        computed = hf_radix.cache_stats(model)["computed_tokens"] - before
+        out[name] = {"radix_generate_s": t.seconds, "speedup": hf_s / t.seconds, "computed_tokens": computed}
+    prefix_sharing.MIN_SAVED = default
+    return {"batch": batch, "hf_generate_s": hf_s, **out}
+
+
 def shared_part(model, runner: RadixBatchRunner, shape: tuple[int, int, int, int, int], hf_batch: int,
                 device: str) -> dict:
     """The shared-prefix workload of one shape (groups, per group, system, question, new tokens): a first
@@ -161,6 +187,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=128)
     parser.add_argument("--skip-zero-reuse", action="store_true")
     parser.add_argument("--groups16", action="store_true", help="also the 16x16 variant (key groups16)")
+    parser.add_argument("--generate", action="store_true", help="also through radix generate (key generate)")
     parser.add_argument("--no-overlap", action="store_true", help="read each step's tokens before the next")
     parser.add_argument("--no-cuda-graph", action="store_true")
     parser.add_argument("--no-shared-prefix", action="store_true", help="per-row decode attention only")
@@ -210,6 +237,11 @@ def main() -> None:
             "shared_prefix_steps": runner.model_runner.shared_prefix_steps - shared_before,
         }
         print(json.dumps(results["zero_reuse"], indent=1))
+    if args.generate:
+        shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
+        results["generate"] = generate_part(model, runner, shared, new_tokens, hf_batch,
+                                            results["shared"]["hf_generate_s"], device)
+        print(json.dumps(results["generate"], indent=1))
     if args.groups16:
         results["groups16"] = shared_part(model, runner, g16_shape, hf_batch, device)
         print(json.dumps(results["groups16"], indent=1))

@@ -19,7 +19,7 @@ for step in "$@"; do
     profile) timeout 300 python3 bench/profile_runs.py --json "$OUT/profile.json" 2>&1 | tee "$OUT/profile.log" ;;
     profilehybrid) timeout 200 python3 bench/profile_runs.py --hybrid --part "${PROFILE_PART:-both}" --questions 64 --json "$OUT/profile_hybrid.json" 2>&1 | tee "$OUT/profile_hybrid.log" ;;
     profiledecode) timeout 200 python3 bench/profile_runs.py --part decode --json "$OUT/profile_decode.json" 2>&1 | tee "$OUT/profile_decode.log" ;;
-    gsp) timeout 230 python3 bench/gsp.py --groups16 --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
+    gsp) timeout 300 python3 bench/gsp.py --groups16 --generate --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
     deterministic) timeout 420 python3 bench/deterministic.py --json "$OUT/deterministic.json" 2>&1 | tee "$OUT/deterministic.log" ;;
     score) timeout 180 python3 bench/score_bench.py --json "$OUT/score.json" 2>&1 | tee "$OUT/score.log" ;;
