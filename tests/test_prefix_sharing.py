@@ -101,12 +101,15 @@ def test_dense_rows_sharing_a_prefix_compute_it_once(arch: str, page_size: int, 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not cache_state_api(), reason="this transformers' state layers bypass the Cache API")
-@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 16), ("lfm2", 4)])
-def test_hybrid_rows_sharing_a_prefix_compute_it_once(family: str, page_size: int) -> None:
+@pytest.mark.parametrize(("family", "page_size", "chunk"), [("qwen3_5", 1, None), ("nemotron_h", 16, 48),
+                                                            ("lfm2", 4, None)])
+def test_hybrid_rows_sharing_a_prefix_compute_it_once(family: str, page_size: int, chunk: int | None) -> None:
+    """The leader's forwards end at the branch point (a snapshot point); the others re-open on it."""
     model = tiny_hybrid_model(family)
     hf_radix.configure(model, max_total_tokens=2048, page_size=page_size)
     prompts = _prompts(2, 100)
-    _check_computed_once(_both(model, prompts), prompts, 100, page_size)
+    _check_computed_once(_both(model, prompts, prefill_chunk_size=chunk), prompts, 100, page_size)
+    assert hf_radix.get_engine(model).manager.tree.snapshot_slots()  # the snapshots the followers read
 
 
 @pytest.mark.gpu
