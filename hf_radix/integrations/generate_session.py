@@ -155,7 +155,7 @@ class RadixGenerateCache(RadixCache):
         else:
             self.rows.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
         self.seen = total
-        if self.steps == 0:
+        if self.steps == 0 and (self._ahead is None or self._ahead[1] is None):  # nothing ran ahead
             while leaders := call_targets(self.rows):  # shared prefixes once (`prefix_sharing`)
                 self._compute(leaders, model)
                 reopen_followers(self.rows, leaders)
