@@ -122,3 +122,29 @@ def test_rows_sharing_a_prefix_compute_it_once_on_gpu(family: str) -> None:
     hf_radix.configure(model, max_total_tokens=4096, page_size=16, attn_backend="triton")
     prompts = _prompts(3, 100)
     _check_computed_once(_both(model, prompts), prompts, 100, 16)
+
+
+@pytest.mark.parametrize("failing", [1, 2])
+def test_an_error_in_a_sharing_round_or_after_it_releases_everything(failing: int) -> None:
+    """A forward that raises in the leader's round (1) or in generate's own step after the others re-opened
+    (2): every row and lock is released, the engine stays consistent, and the next call is exact."""
+    model = fresh_model("llama")
+    hf_radix.configure(model, max_total_tokens=4096, page_size=4, attn_backend="torch")
+    prompts = _prompts(4, 120)
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        if len(calls) == failing:
+            raise RuntimeError("raised inside a forward")
+
+    handle = model.model.layers[-1].register_forward_hook(hook)
+    ids, mask = _left_pad(prompts)
+    with pytest.raises(RuntimeError, match="inside a forward"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                       cache_implementation="radix")
+    handle.remove()
+    engine = hf_radix.get_engine(model)
+    engine.check_integrity()
+    assert engine.manager.num_rows == 0 and engine.manager.tree.size_info.protected_size == 0
+    _both(model, prompts)
