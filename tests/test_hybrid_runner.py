@@ -205,6 +205,30 @@ def test_scoring_rows_of_other_lengths_share_a_forward_padded(family: str, page_
     assert forwards < unpadded_forwards, (forwards, unpadded_forwards)
 
 
+@pytest.mark.parametrize(("family", "page_size"), [("qwen3_5", 1), ("nemotron_h", 4)])
+def test_prompts_of_many_lengths_take_fewer_prefill_steps(family: str, page_size: int, monkeypatch) -> None:
+    """Questions of 10 to 150 tokens behind a shared prefix: a chunk at least twice a step's length joins it
+    cut (the state continues exactly), so prefill takes fewer steps than a step per length; tokens equal
+    transformers either way."""
+    model = tiny_hybrid_model(family)
+    gen = torch.Generator().manual_seed(12)
+    system = torch.randint(3, 96, (60,), generator=gen).tolist()
+    prompts = [system + torch.randint(3, 96, (int(n),), generator=gen).tolist()
+               for n in torch.randint(10, 150, (24,), generator=gen)]
+
+    def forwards() -> int:
+        runner = RadixBatchRunner(model, max_total_tokens=8192, page_size=page_size)
+        outs = runner.run(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy(model, p, 2) for p in prompts]
+        runner.check_integrity()
+        return runner.stats.forward_calls
+
+    cut = forwards()
+    monkeypatch.setattr(admission, "joins", lambda natural, width, padded: (natural == width) | padded & (
+        natural < width))  # chunks join only at their own length (or padded)
+    assert cut < forwards()
+
+
 def test_saved_cache_with_snapshots_loads_into_a_reset_engine(tmp_path) -> None:
     """`save_cache` / `load_cache` carry the state snapshots: after a reset and a load, the same prompts
     hit their snapshots and stay exact."""

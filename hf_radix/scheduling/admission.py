@@ -11,7 +11,8 @@ request's snapshot points (`snapshot_points`): the branch points of prompts shar
 `state_snapshot_interval` tokens of a long prompt, and the last page boundary before the match end, where
 the scheduler saves the row's state on the tree. The one exception to the single length: a scoring
 request's last chunk, whose end state nothing reads, joins a step of a longer length as a row padded at
-its end (`pads_end`; its logits are exact, its state is dropped).
+its end (`pads_end`; its logits are exact, its state is dropped), and a chunk at least twice that length
+joins cut to it (`joins`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,13 @@ def pads_end(req: Req, end: int) -> bool:
     return req.score_from is not None and end == req.prompt_len
 
 
+def joins(natural, width: int, padded):
+    """Whether chunks of `natural` tokens (ints or an array) join a hybrid model's step of chunk length
+    `width`: as they are, cut to `width` where what stays is at least as long (a cut that leaves a shorter
+    rest would need a step of its own), or, when `padded` (`pads_end`), padded up to it."""
+    return (natural == width) | (natural >= 2 * width) | padded & (natural < width)
+
+
 def screen(req: Req, engine: RadixEngine) -> bool:
     """Whether `req` runs; if not, it is FAILED with its message, or FINISHED (nothing to generate)."""
     if req.status is RequestStatus.FAILED:  # the runner could not convert its tokens
@@ -140,7 +148,8 @@ class PrefillPlanner:
         """Appends prefill chunks to `items` (the running requests' decode tokens): the token budget counts
         both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
         every chunk has one length (rows of one forward add the same number of tokens; a shorter last chunk
-        of a scoring request is padded to it and costs it), the one that puts the most tokens in the step
+        of a scoring request is padded to it and costs it, a chunk twice as long is cut), the one that puts
+        the most tokens in the step
         (`_preferred_width`), else the first request's; waiting requests that fit it are admitted past
         those that do not, which wait their turn."""
         queues = self.queues
@@ -155,7 +164,7 @@ class PrefillPlanner:
     def _preferred_width(self, budget: int) -> int | None:
         """The chunk length that puts the most tokens (within `budget`, padding counted) in the step, over
         the prefilling requests and the first waiting ones, counted from what is cached now (an estimate: a
-        step may admit fewer)."""
+        step may admit fewer); chunks of other lengths join as `joins` says."""
         starts = [(req, req.computed_len) for req in self.queues.prefilling]
         starts += [(req, self._cached_len(req.match_ids))
                    for req in itertools.islice(self.queues.waiting, UNIFORM_LOOKAHEAD)]
@@ -166,8 +175,8 @@ class PrefillPlanner:
         padded = np.array([pads_end(req, end) for end, (req, _) in zip(ends, starts)])
         best, most = None, -1
         for width in np.unique(widths).tolist():
-            joining = np.flatnonzero((widths == width) | padded & (widths < width))[: budget // width]
-            tokens = int(widths[joining].sum())
+            joining = np.flatnonzero(joins(widths, width, padded))[: budget // width]
+            tokens = int(np.minimum(widths[joining], width).sum())
             if tokens > most:
                 best, most = width, tokens
         return best
@@ -185,7 +194,8 @@ class PrefillPlanner:
         if width is None:
             return True
         end = self._chunk_end(req, start, budget)
-        return end - start == width or end - start < width <= budget and pads_end(req, end)
+        padding_fits = end - start >= width or width <= budget  # a padded row costs the whole length
+        return bool(joins(end - start, width, pads_end(req, end))) and padding_fits
 
     def _fill(self, items: StepItems, budget: int, uniform: bool, width: int | None) -> None:
         """`plan`'s chunks; `width`: the uniform step's chunk length (None: the first chunk's)."""
@@ -197,7 +207,7 @@ class PrefillPlanner:
                 break
             if uniform and not self._fits(req, req.computed_len, budget, width):
                 continue
-            size = self._add_chunk(items, in_batch, req, budget)
+            size = self._add_chunk(items, in_batch, req, budget, width if uniform else None)
             width = width or size
             budget -= max(size, width) if uniform else size
         deferred: list[Req] = []
@@ -231,7 +241,7 @@ class PrefillPlanner:
             restored = min(req.host_restored, handle.cached_len)
             queues.admit(req, manager.open_row(handle), handle.cached_len, restored)
             self.engine.record_prompt(req.prompt_len, handle.cached_len, restored)
-            size = self._add_chunk(items, in_batch, req, budget)
+            size = self._add_chunk(items, in_batch, req, budget, width if uniform else None)
             width = width or size
             budget -= max(size, width) if uniform else size
             reserved += need
@@ -248,11 +258,14 @@ class PrefillPlanner:
         end = min(req.prompt_len, start + budget)
         return next((p for p in self.snapshot_points.get(req.index, ()) if start < p < end), end)
 
-    def _add_chunk(self, items: StepItems, in_batch: RadixPrefixCache, req: Req, budget: int) -> int:
-        """Adds `req`'s next chunk (at most `budget` tokens, ending at its next snapshot point), noted in
-        the step's prefix tree; its size."""
+    def _add_chunk(self, items: StepItems, in_batch: RadixPrefixCache, req: Req, budget: int,
+                   width: int | None = None) -> int:
+        """Adds `req`'s next chunk (at most `budget` tokens, ending at its next snapshot point; at most
+        `width`, a uniform step's length), noted in the step's prefix tree; its size."""
         start = req.computed_len
         end = self._chunk_end(req, start, budget)
+        if width is not None:
+            end = min(end, start + width)
         items.prefill.append((req, start, end))
         offset = in_batch.size_info.total_size
         in_batch.insert_prefix(req.ids[:end], np.arange(offset, offset + end, dtype=np.int64))
