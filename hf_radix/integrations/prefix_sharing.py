@@ -1,17 +1,16 @@
 """Rows of one generate call whose prompts share a prefix the cache does not hold: computed once.
 
 Before the call's first step, the rows are taken in the byte order of their prompts, where each row shares
-the most with the row before it. A row sharing at least `MIN_SHARED` more page-aligned tokens with the
-row before it than it has cached follows it; the first row of a run of followers (a leader) computes, on
-its own, the longest prefix a follower of its run shares with it, and puts it in the tree. Every other
-row whose match then grows re-opens on the tree (`reopen`) and computes only the rest. A follower that
-shares more with another follower than with their leader gets it in the next round.
+the most with its neighbours. Neighbours sharing at least `MIN_SHARED` page-aligned tokens (and a page)
+past what they hold form a run; the run's leader, the row whose shared prefixes save the others most,
+computes the longest of them on its own and puts it in the tree (`leader_targets`). Every other row whose
+match then grows re-opens on the tree (`reopen_followers`) and computes only the rest; rows that share more
+among themselves than with their leader get it in the next round.
 
 Each round is one more forward (or a few, with `prefill_chunk_size`), so a round runs only when it saves
 at least `MIN_SAVED` tokens. Hybrid models compute the leaders through their snapshot points, and a branch
 point is one: followers re-open on the leader's state snapshot there.
 """
-
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -19,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..scheduling.admission import common_prefix
+from .prompt_dedup import reopen_row
 
 if TYPE_CHECKING:
     from .generate_rows import GenerateRows
@@ -48,9 +48,10 @@ def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], pag
     targets, saved = {}, 0
     for rows, between in runs:
         held = np.array([computed[b] for b in rows])
+        between = np.asarray(between, dtype=np.int64)
         best = (0, 0, 0)  # tokens saved, leader position, target
         for i in range(len(rows)):
-            with_leader = _shared_with(np.asarray(between, dtype=np.int64), i)
+            with_leader = _shared_with(between, i)
             gains = np.where(with_leader - held >= least, with_leader - held, 0)
             gains[i] = 0
             if gains.sum() > best[0]:
@@ -91,11 +92,7 @@ def reopen_followers(rows: GenerateRows, leaders: dict[int, int]) -> None:
         fresh = b not in leaders and req.computed_len == req.cached_len  # computed nothing yet
         if not fresh or manager.gpu_cached_len(prompt) <= req.cached_len:
             continue
-        row, req.row = req.row, None
-        manager.cache_req(row, prompt, req.computed_len, finished=True)
-        handle = manager.match(prompt)
-        manager.lock(handle)
-        req.row = manager.open_row(handle)
+        handle = reopen_row(manager, req, prompt, prompt)
         engine.stats.cached_tokens += handle.cached_len - req.cached_len
         engine.stats.host_cached_tokens += handle.restored_len
         req.host_cached_len += handle.restored_len

@@ -17,6 +17,19 @@ from ..scheduling.request import Req
 
 if TYPE_CHECKING:
     from ..engine import RadixEngine
+    from ..memory.cache_manager import CacheManager
+    from ..memory.radix_tree import MatchHandle
+
+
+def reopen_row(manager: CacheManager, req: Req, prompt: np.ndarray, key: np.ndarray) -> MatchHandle:
+    """Closes `req`'s row (caching what it computed of `prompt`) and opens a new one on the tree's longest
+    match of `key`, locked; returns that match."""
+    row, req.row = req.row, None
+    manager.cache_req(row, prompt, req.computed_len, finished=True)
+    handle = manager.match(key)
+    manager.lock(handle)
+    req.row = manager.open_row(handle)
+    return handle
 
 
 class DuplicatePrompts:
@@ -47,11 +60,7 @@ class DuplicatePrompts:
         manager = engine.manager
         for b, leader in self.followers.items():
             req, prompt = reqs[b], tokens[b]
-            row, req.row = req.row, None
-            manager.cache_req(row, prompt, req.computed_len, finished=True)
-            handle = manager.match(np.append(prompt, 0))
-            manager.lock(handle)
-            req.row = manager.open_row(handle)
+            handle = reopen_row(manager, req, prompt, np.append(prompt, 0))
             manager.allocate([req.row], [len(prompt)])
             end = len(prompt)
             src = manager.row_slots(reqs[leader].row)[handle.cached_len : end].astype(np.int64)

@@ -149,9 +149,8 @@ class PrefillPlanner:
         both, and room is kept for what admitted requests will still decode. `uniform` (hybrid models):
         every chunk has one length (rows of one forward add the same number of tokens; a shorter last chunk
         of a scoring request is padded to it and costs it, a chunk twice as long is cut), the one that puts
-        the most tokens in the step
-        (`_preferred_width`), else the first request's; waiting requests that fit it are admitted past
-        those that do not, which wait their turn."""
+        the most tokens in the step (`_preferred_width`), else the first request's; waiting requests that
+        fit it are admitted past those that do not, which wait their turn."""
         queues = self.queues
         budget = self.chunked_prefill_size - len(items)
         if not queues.waiting and not queues.prefilling or budget <= 0:
