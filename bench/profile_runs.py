@@ -5,9 +5,10 @@ smaller scoring workload (the score_bench shape, fewer questions) and for a shor
 prompts, 2,048-token prefixes, 16 new tokens), Llama-3.1-8B shape, random bf16 weights. `--part decode`
 profiles decode steps alone: the gsp prompts are cached by a first run, so a run of 64 new tokens computes
 one prompt token a row and then decodes. `--hybrid` profiles bench/hybrid.py's Qwen3.5-shaped model (9B,
-random bf16) with that benchmark's runner options instead.
+random bf16) with that benchmark's runner options instead; `--deterministic` the Llama in deterministic mode.
 
-    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128] [--hybrid] [--json PATH]
+    python bench/profile_runs.py [--part score|gsp|decode|both] [--questions 128] [--hybrid]
+        [--deterministic] [--json PATH]
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ def main() -> None:
     parser.add_argument("--part", default="both", choices=["score", "gsp", "decode", "both"])
     parser.add_argument("--questions", type=int, default=128)
     parser.add_argument("--hybrid", action="store_true", help="the Qwen3.5-shaped model of bench/hybrid.py")
+    parser.add_argument("--deterministic", action="store_true", help="the runner in deterministic mode")
     args = parser.parse_args()
     if args.hybrid:
         model = hybrid.build_model(False, "cuda", None)
         runner = RadixBatchRunner(model, **hybrid.RUNNER_OPTIONS)
     else:
         model = build_llama(False, "cuda")
-        runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256)
+        runner = RadixBatchRunner(model, max_total_tokens=200_000, max_running_requests=256,
+                                  deterministic=args.deterministic)
     vocab = model.config.vocab_size
     walls: dict = {}
     if args.part in ("score", "both"):

@@ -53,25 +53,17 @@ def test_configure_refuses_off_triton() -> None:
         hf_radix.configure(tiny_model("llama", num_hidden_layers=1), deterministic=True, attn_backend="torch")
 
 
-@pytest.mark.parametrize("rows", [1, 5, 255, 256, 257, 600])
-def test_invariant_linear_rows(rows: int) -> None:
-    torch.manual_seed(0)
-    x, w, b = torch.randn(1, rows, 64), torch.randn(48, 64), torch.randn(48)
-    out = inv.invariant_linear(x, w, b)
-    torch.testing.assert_close(out, F.linear(x, w, b))
-    assert out.shape == (1, rows, 48)
-    for i in {0, rows // 2, rows - 1}:
-        assert torch.equal(out[0, i], inv.invariant_linear(x[:, i], w, b)[0])
-
-
 def _active_modes() -> int:
     return len(torch.overrides._get_current_function_mode_stack())
 
 
 def test_override_scoped_to_block_and_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
-    original = inv.invariant_linear
-    monkeypatch.setattr(inv, "invariant_linear", lambda x, *a, **k: calls.append(1) or original(x, *a, **k))
+    from hf_radix.kernels import triton_invariant_matmul as matmul
+
+    counted = lambda x, *a, **k: calls.append(1) or F.linear(x, *a, **k)  # noqa: E731
+    monkeypatch.setattr(matmul, "invariant_matmul", counted)
+    monkeypatch.setattr(inv, "triton_runs_on", lambda t: True)
     layer = torch.nn.Linear(8, 4)
     x = torch.randn(3, 8)
     other: list[int] = []
@@ -182,6 +174,27 @@ def check_row_mean() -> dict:
     return {"ok": True}
 
 
+def check_matmul() -> dict:
+    """The fixed-tile product: close to F.linear; a row's result the same bits alone, among 70 rows at
+    every place of a tile, and in the interpreter's tiles of another row count."""
+    from hf_radix.kernels.triton_invariant_matmul import invariant_matmul
+
+    _row_uniform_dot()
+    torch.manual_seed(0)
+    for n, k, bias in ((48, 64, True), (37, 50, False)):  # even and uneven K, a partial column tile
+        x, w = torch.randn(70, k), torch.randn(n, k)
+        b = torch.randn(n) if bias else None
+        out = invariant_matmul(x, w, b)
+        torch.testing.assert_close(out, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+        for i in range(70):
+            assert torch.equal(invariant_matmul(x[i : i + 1], w, b)[0], out[i]), (n, i)
+        assert torch.equal(invariant_matmul(x[3:40].view(1, 37, k), w, b)[0], out[3:40])
+        with inv.invariant_ops():
+            routed = F.linear(x, w, b)
+        assert torch.equal(routed, out)
+    return {"ok": True}
+
+
 def check_runner() -> dict:
     """A tiny Llama in deterministic mode: tokens and log-likelihoods alone, in a batch, in reverse order
     after a warm cache, and with pages of 4 and prefill chunks of 16 tokens, bit for bit."""
@@ -224,6 +237,7 @@ CHECKS = {
     "attention": check_attention,
     "attention_window": lambda: check_attention(window=9),
     "row_mean": check_row_mean,
+    "matmul": check_matmul,
     "runner": check_runner,
 }
 

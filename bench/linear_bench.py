@@ -1,0 +1,101 @@
+"""Deterministic mode's linear layers: the fixed-tile Triton product against cuBLAS, on Llama-3.1-8B's shapes.
+
+For each weight shape and row count: cuBLAS `F.linear` (the default mode), 256-row cuBLAS products (the
+mode's earlier scheme, for reference) and `invariant_matmul` under each candidate launch config; time per
+call (CUDA events, median of repeats) and whether a row's bits are the same alone, at several places of a
+large call and under every config (`identical_rows`, `identical_across_configs`).
+
+    python bench/linear_bench.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import parser_for, say, write_result  # noqa: E402
+
+from hf_radix.kernels.triton_invariant_matmul import invariant_matmul, linear_config  # noqa: E402
+
+SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+ROWS = (1, 16, 64, 256, 1024, 4096, 8192)
+CONFIGS = {
+    "128x128x64_w8_s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "128x256x64_w8_s3": dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "64x128x64_w4_s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "64x256x64_w8_s3": dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    "128x64x64_w4_s4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "64x64x64_w4_s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+}
+
+
+def chunked_256(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The earlier scheme: cuBLAS products of exactly 256 rows each, the last zero-padded."""
+    n = x.shape[0]
+    padded = max(-(-n // 256) * 256, 256)
+    rows = torch.cat([x, x.new_zeros(padded - n, x.shape[1])]) if padded != n else x
+    out = rows.new_empty(padded, w.shape[0])
+    for i in range(0, padded, 256):
+        torch.mm(rows[i : i + 256], w.t(), out=out[i : i + 256])
+    return out[:n]
+
+
+def ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_shape(name: str, n: int, k: int) -> dict:
+    """One weight shape: bit checks per config, then times per row count."""
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    x_all = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16)
+    shape: dict = {"n": n, "k": k, "config": linear_config(n, k, torch.bfloat16, "cuda"), "ms": {},
+                   "identical_rows": {}}
+    probe = x_all[5:6]
+    reference = {c: invariant_matmul(probe, w, config=cfg)[0] for c, cfg in CONFIGS.items()}
+    first = reference[next(iter(CONFIGS))]
+    shape["identical_across_configs"] = all(torch.equal(r, first) for r in reference.values())
+    for c, cfg in CONFIGS.items():
+        same = torch.equal(invariant_matmul(x_all, w, config=cfg)[5], reference[c])
+        for m in (16, 300, 4097):
+            start = 5 - m % 5
+            part = invariant_matmul(x_all[start : start + m], w, config=cfg)
+            same &= torch.equal(part[5 - start], reference[c])
+        shape["identical_rows"][c] = bool(same)
+    for m in ROWS:
+        x = x_all[:m]
+        row = {"cublas": ms(lambda x=x: F.linear(x, w)), "chunked_256": ms(lambda x=x: chunked_256(x, w))}
+        for c, cfg in CONFIGS.items():
+            row[c] = ms(lambda x=x, cfg=cfg: invariant_matmul(x, w, config=cfg))
+        shape["ms"][m] = row
+        best = min((v, c) for c, v in row.items() if c not in ("cublas", "chunked_256"))
+        say(f"{name:8s} M={m:5d} cublas {row['cublas']:.3f} ms, 256-chunks {row['chunked_256']:.3f}, "
+            f"best triton {best[1]} {best[0]:.3f} ({best[0] / row['cublas']:.2f}x)")
+    return shape
+
+
+def main() -> None:
+    args = parser_for(__doc__).parse_args()
+    torch.manual_seed(0)
+    results = {"device": torch.cuda.get_device_name(),
+               "shapes": {name: bench_shape(name, n, k) for name, (n, k) in SHAPES.items()}}
+    write_result(results, args.json)
+
+
+if __name__ == "__main__":
+    main()

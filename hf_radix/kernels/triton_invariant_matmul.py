@@ -1,0 +1,104 @@
+"""Batch-invariant matrix product ``x @ weight.T (+ bias)``: one tile shape for every row count.
+
+A GEMM library picks its kernel (tile shape, split along K) by the problem's shape, so a row's product can
+round differently when the call holds 3 rows than when it holds 3,000. This kernel's launch config depends on
+the weight's shape alone (`linear_config`), never on the row count: every output element is one program's
+fp32 accumulation over K in blocks of ``BLOCK_K``, in increasing order, with no split along K, so a row's
+result depends on that row and the weight only (deterministic mode's linear layers).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import FP_FUSION, interpreting
+from .triton_attention_common import _dot_prec
+
+__all__ = ["invariant_matmul", "linear_config"]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(
+    X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Programs run GROUP_M row tiles of one column tile back to back: the weight tile stays in L2 for them.
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = pid // per_group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows = (offs_m % M).to(tl.int64)  # rows past M re-read valid ones; their results are not stored
+    cols = (offs_n % N).to(tl.int64)
+    x_ptrs = X + rows[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = W + cols[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < K - k
+            a = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@functools.cache
+def linear_config(n: int, k: int, dtype: torch.dtype, device_type: str) -> dict[str, int]:
+    """The one launch config of a weight shape (every call with that weight uses it, whatever its rows)."""
+    if device_type != "cuda" or interpreting():
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+    if dtype == torch.float32:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def invariant_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: dict[str, int] | None = None,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with each row's result independent of the other rows (module doc).
+
+    x ``[..., K]``, weight ``[N, K]``, bias ``[N]`` or None; fp32 accumulation, the output in x's dtype.
+    """
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight {k}")
+    rows = x.reshape(-1, k)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m = rows.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m and n:
+        cfg = dict(config) if config is not None else linear_config(n, k, weight.dtype, x.device.type)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _matmul_kernel[grid](
+            rows, weight, bias if bias is not None else out, out, m, n, k,
+            rows.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, DOT_PREC=_dot_prec(x.dtype),
+            enable_fp_fusion=FP_FUSION, **cfg,
+        )
+    return out.view(*x.shape[:-1], n)
