@@ -182,29 +182,17 @@ class RadixEngine:
             options = self.options
             self._model_runner = ModelRunner(
                 self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
-                fused_ops=options.fused_ops and not options.deterministic,  # deterministic: HF's norms
+                fused_ops=options.fused_ops and not options.deterministic,  # deterministic: forward_ops
                 shared_prefix=options.shared_prefix and not options.deterministic,
             )
         return self._model_runner
 
     def run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`.
-
-        With `fused_ops` on one CUDA device with Triton attention, Llama-style norms and rotary embeddings
-        run as single Triton kernels here too (as in captured graphs): exact to fp32 rounding, a fraction
-        of the launches.
-        """
+        """Runs the model on a packed batch; returns logits `[len(batch.logits_indices), vocab]`."""
         cache = RadixCache(self, batch)
         if self.hybrid and batch.state_batch is None:
             raise RuntimeError("a hybrid model's forward needs the rows' state slots (batch.state_batch)")
-        fused = (  # not for hybrid models yet: their norms are not all Llama-style (untested on GPU)
-            self.options.fused_ops and not self.options.deterministic and self.single_device
-            and self.device.type == "cuda" and self.backend.name == "triton" and not self.hybrid
-        )
-        with (
-            self.radix_attention(), radix_forward(cache), torch.inference_mode(), self.forward_ops(),
-            fused_norm_and_rope(self.model) if fused else contextlib.nullcontext(),
-        ):
+        with self.radix_attention(), radix_forward(cache), torch.inference_mode(), self.forward_ops(True):
             out = self.model(
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
@@ -216,9 +204,21 @@ class RadixEngine:
                 batch.state_batch.flush()
         return out.logits[0].to(self.device)  # a device map may end on another device
 
-    def forward_ops(self) -> contextlib.AbstractContextManager:
-        """Deterministic mode: the model runs batch-invariant products and means (`forward.invariant_ops`)."""
-        return invariant_ops() if self.options.deterministic else contextlib.nullcontext()
+    @property
+    def fuses_norms(self) -> bool:
+        """Whether radix forwards run Llama-style norms and rotary embeddings as fused Triton kernels (exact
+        to fp32 rounding, a fraction of the launches; not for hybrid models yet: not all are Llama-style)."""
+        return (self.options.fused_ops and self.single_device and self.device.type == "cuda"
+                and self.backend.name == "triton" and not self.hybrid)
+
+    def forward_ops(self, fuse: bool = False) -> contextlib.AbstractContextManager:
+        """The operators a radix forward swaps in. Deterministic mode: batch-invariant products and means, and
+        the per-row fused norm and rotary kernels in every forward (eager, captured, generate's) where they
+        apply (`forward.invariant_ops`); otherwise the fused kernels where `fuse` (`run_model`)."""
+        fused = self.model if self.fuses_norms else None
+        if self.options.deterministic:
+            return invariant_ops(fused)
+        return fused_norm_and_rope(fused) if fuse and fused is not None else contextlib.nullcontext()
 
     def radix_attention(self) -> contextlib.AbstractContextManager:
         """The model reads the "radix" attention in this thread (only) for the duration of the block."""

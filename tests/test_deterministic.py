@@ -107,7 +107,8 @@ def _row_uniform_dot() -> None:
     import triton.runtime.interpreter as interp
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        out = np.einsum("ik,kj->ij", a.data.astype(np.float32), b.data.astype(np.float32), optimize=False)
+        a, b = (np.ascontiguousarray(t.data.astype(np.float32)) for t in (a, b))  # einsum sums by strides
+        out = np.einsum("ik,kj->ij", a, b, optimize=False)
         return interp.TensorHandle(out.astype(d.data.dtype) + d.data, d.dtype.scalar)
 
     interp.InterpreterBuilder.create_dot = create_dot
@@ -176,7 +177,7 @@ def check_row_mean() -> dict:
 
 def check_matmul() -> dict:
     """The fixed-tile product: close to F.linear; a row's result the same bits alone, among 70 rows at
-    every place of a tile, and in the interpreter's tiles of another row count."""
+    every place of a tile, in the interpreter's tiles of another row count, and through both kernels."""
     from hf_radix.kernels.triton_invariant_matmul import invariant_matmul
 
     _row_uniform_dot()
@@ -189,6 +190,11 @@ def check_matmul() -> dict:
         for i in range(70):
             assert torch.equal(invariant_matmul(x[i : i + 1], w, b)[0], out[i]), (n, i)
         assert torch.equal(invariant_matmul(x[3:40].view(1, 37, k), w, b)[0], out[3:40])
+        tiles = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=4, num_warps=4, num_stages=1)
+        for programs in (0, 3):  # the tensor-memory kernel, one program a tile or persistent
+            cfg = dict(tiles, TMA=True, NUM_PROGRAMS=programs)
+            assert torch.equal(invariant_matmul(x, w, b, config=cfg), out)
+            assert torch.equal(invariant_matmul(x[7:8], w, b, config=cfg)[0], out[7])
         with inv.invariant_ops():
             routed = F.linear(x, w, b)
         assert torch.equal(routed, out)

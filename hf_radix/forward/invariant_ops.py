@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..kernels import triton_runs_on
+from .fused_ops import fused_norm_and_rope
 
 
 def _last_dim(dim, ndim: int) -> bool:
@@ -58,9 +59,12 @@ class _InvariantMode(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def invariant_ops() -> Iterator[None]:
-    """Within the block, in this thread: batch-invariant `F.linear` and last-dim means (see the module)."""
-    with _InvariantMode():
+def invariant_ops(fused_model: torch.nn.Module | None = None) -> Iterator[None]:
+    """Within the block, in this thread: batch-invariant `F.linear` and last-dim means (see the module);
+    with `fused_model`, its Llama-style norms and rotary embeddings as fused kernels too (one program per
+    row or token, hence batch-invariant: `forward.fused_ops`)."""
+    fused = fused_norm_and_rope(fused_model) if fused_model is not None else contextlib.nullcontext()
+    with _InvariantMode(), fused:
         yield
 
 

@@ -14,6 +14,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import FP_FUSION, interpreting
 from .triton_attention_common import _dot_prec
@@ -62,6 +63,33 @@ def _matmul_kernel(
     tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(
+    x_desc, w_desc, out_desc, Bias, M, N, K,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # Tensor-memory loads (tiles past the edges read 0, stores past them are dropped); with NUM_PROGRAMS > 0
+    # persistent: each program walks the tiles NUM_PROGRAMS apart, in the grouped order of `_matmul_kernel`.
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    step = NUM_PROGRAMS if NUM_PROGRAMS > 0 else num_m * num_n
+    for tile in tl.range(tl.program_id(0), num_m * num_n, step, flatten=NUM_PROGRAMS > 0,
+                         warp_specialize=WARP_SPECIALIZE):
+        first_m = tile // per_group * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % per_group) % size_m) * BLOCK_M
+        off_n = (tile % per_group) // size_m * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, input_precision=DOT_PREC)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
 @functools.cache
 def linear_config(n: int, k: int, dtype: torch.dtype, device_type: str) -> dict[str, int]:
     """The one launch config of a weight shape (every call with that weight uses it, whatever its rows)."""
@@ -92,13 +120,25 @@ def invariant_matmul(
         weight = weight.contiguous()
     m = rows.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m and n:
-        cfg = dict(config) if config is not None else linear_config(n, k, weight.dtype, x.device.type)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _matmul_kernel[grid](
-            rows, weight, bias if bias is not None else out, out, m, n, k,
-            rows.stride(0), weight.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, EVEN_K=k % cfg["BLOCK_K"] == 0, DOT_PREC=_dot_prec(x.dtype),
-            enable_fp_fusion=FP_FUSION, **cfg,
+    if not (m and n):
+        return out.view(*x.shape[:-1], n)
+    cfg = dict(config) if config is not None else linear_config(n, k, weight.dtype, x.device.type)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    common = dict(HAS_BIAS=bias is not None, DOT_PREC=_dot_prec(x.dtype), enable_fp_fusion=FP_FUSION)
+    bias_arg = bias if bias is not None else out
+    if cfg.pop("TMA", False):
+        if rows.data_ptr() % 16:  # tensor-memory loads need 16-byte aligned rows: a fresh copy has them
+            rows = rows.clone()
+        programs = cfg.get("NUM_PROGRAMS", 0)
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        _matmul_tma_kernel[(min(tiles, programs) if programs else tiles,)](
+            TensorDescriptor.from_tensor(rows, [bm, bk]), TensorDescriptor.from_tensor(weight, [bn, bk]),
+            TensorDescriptor.from_tensor(out, [bm, bn]), bias_arg, m, n, k,
+            **common, **{"NUM_PROGRAMS": 0, "WARP_SPECIALIZE": False, **cfg},
+        )
+    else:
+        _matmul_kernel[(tiles,)](
+            rows, weight, bias_arg, out, m, n, k, rows.stride(0), weight.stride(0), out.stride(0),
+            EVEN_K=k % cfg["BLOCK_K"] == 0, **common, **cfg,
         )
     return out.view(*x.shape[:-1], n)
