@@ -126,7 +126,8 @@ def invariant_matmul(
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     common = dict(HAS_BIAS=bias is not None, DOT_PREC=_dot_prec(x.dtype), enable_fp_fusion=FP_FUSION)
     bias_arg = bias if bias is not None else out
-    if cfg.pop("TMA", False):
+    # tensor-memory loads need 16-byte aligned row strides: a weight shape without them takes the other kernel
+    if cfg.pop("TMA", False) and k * x.element_size() % 16 == 0 and n * x.element_size() % 16 == 0:
         if rows.data_ptr() % 16:  # tensor-memory loads need 16-byte aligned rows: a fresh copy has them
             rows = rows.clone()
         programs = cfg.get("NUM_PROGRAMS", 0)
