@@ -98,18 +98,27 @@ class TritonBackend:
 
 class InvariantBackend(TritonBackend):
     """Deterministic mode: one batch-invariant kernel for every row, over whole contexts
-    (`kernels.triton_invariant_attention`); no shared-prefix reads, no splits along the keys."""
+    (`kernels.triton_invariant_attention`), no splits along the keys; decode batches with a tile plan
+    (`paged_attention.grouped_decode`) read each group's prefix once per tile, with the same results
+    (`kernels.triton_grouped_decode`)."""
 
     def __init__(self):
         super().__init__()
-        from .kernels import triton_invariant_attention
+        from .kernels import triton_grouped_decode, triton_invariant_attention
 
         self._invariant = triton_invariant_attention
+        self._grouped = triton_grouped_decode
 
     def reads_context(self, decode: bool, latent: bool) -> bool:
         return True
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
+        tiles = batch.shared_prefix
+        if tiles is not None and batch.is_decode:
+            return self._grouped.grouped_decode_attention(
+                q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, tiles.rows, tiles.blocks, scaling,
+                sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+            )
         return self._invariant.invariant_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_indices, batch.kv_indptr, scaling,
             sliding_window=sliding_window, softcap=softcap, sinks=sinks,

@@ -183,7 +183,7 @@ class RadixEngine:
             self._model_runner = ModelRunner(
                 self, cuda_graph=options.cuda_graph, max_batch=options.cuda_graph_max_batch,
                 fused_ops=options.fused_ops and not options.deterministic,  # deterministic: forward_ops
-                shared_prefix=options.shared_prefix and not options.deterministic,
+                shared_prefix=options.shared_prefix,
             )
         return self._model_runner
 

@@ -47,7 +47,8 @@ class EngineOptions:
         True, "the first radix call captures every graph and compiles kernels (else each on first use)"
     )
     shared_prefix: bool = _option(
-        True, "decode reads a prefix shared by rows once per group (Triton, where a cost rule expects a gain)"
+        True, "decode reads a prefix shared by rows once per group (Triton, where a cost rule expects a "
+        "gain; deterministic: once per tile of rows, the same results)"
     )
     shared_prefix_mode: str = _option(
         "overlap", "shared-prefix launch order: overlap (beside the suffix launch, then merged) or fold"

@@ -202,12 +202,16 @@ def check_matmul() -> dict:
 
 
 def check_runner() -> dict:
-    """A tiny Llama in deterministic mode: tokens and log-likelihoods alone, in a batch, in reverse order
-    after a warm cache, and with pages of 4 and prefill chunks of 16 tokens, bit for bit."""
+    """A tiny Llama in deterministic mode: tokens and log-likelihoods alone, in a batch (its decode steps
+    grouped: the rows share a 40-token prefix), in reverse order after a warm cache, with pages of 4 and
+    prefill chunks of 16 tokens, through the decode graphs' padded batches and without grouped decode, bit
+    for bit; the generated tokens' K/V, computed in grouped decode steps and read back from the cache,
+    score as when computed in a prefill."""
     _row_uniform_dot()
     from hf_radix import RadixBatchRunner, SamplingParams
     from hf_radix.attention import InvariantBackend
     from hf_radix.forward.cuda_graph import DecodeGraphs, ExtendGraphs
+    from hf_radix.paged_attention.grouped_decode import GroupedDecode
     from hf_radix.tiny import tiny_model
 
     model = tiny_model("llama", num_hidden_layers=2)
@@ -217,16 +221,20 @@ def check_runner() -> dict:
     params = SamplingParams(max_new_tokens=5)
 
     def runner(**options) -> RadixBatchRunner:
-        return RadixBatchRunner(model, deterministic=True, attn_backend="triton", cuda_graph=False,
-                                warm_up=False, **options)
+        options = {"cuda_graph": False, **options}
+        return RadixBatchRunner(model, deterministic=True, attn_backend="triton", warm_up=False, **options)
 
     first = runner()
     assert isinstance(first.engine.backend, InvariantBackend)
-    assert not first.engine.model_runner.shared_prefix
+    assert isinstance(first.engine.model_runner.eager_shared, GroupedDecode)
     assert ExtendGraphs(first.engine).context and DecodeGraphs(first.engine, 4).context
     alone = [first.run([p], params, progress=False)[0].token_ids for p in prompts[:2]]
     first.reset_cache()
+    grouped_before = first.engine.model_runner.shared_prefix_steps
     batch = [o.token_ids for o in first.run(prompts, params, progress=False)]
+    assert first.engine.model_runner.shared_prefix_steps - grouped_before == params.max_new_tokens - 1
+    continued = [(p + out[:-2], out[-2:]) for p, out in zip(prompts, batch)]
+    decoded_kv = first.loglikelihood(continued)  # contexts read from the cache: decode-computed K/V
     reverse = [o.token_ids for o in first.run(prompts[::-1], params, progress=False)][::-1]
     pairs = [(p[:-3], p[-3:]) for p in prompts]
     scores = first.loglikelihood(pairs)
@@ -236,6 +244,18 @@ def check_runner() -> dict:
     assert alone == batch[:2] and batch == reverse == chunked
     assert [paged.loglikelihood([p])[0] for p in pairs[:2]] == scores[:2]
     paged.check_integrity()
+    graphed = runner(cuda_graph=True)  # the decode graphs' padded batches (a padding row alone), eagerly
+    graphs = graphed.model_runner.decode_graphs = DecodeGraphs(graphed.engine, 8, shared_prefix=True)
+    graphed.reset_cache()
+    assert [o.token_ids for o in graphed.run(prompts[:3], params, progress=False)] == batch[:3]
+    assert isinstance(graphs.shared, GroupedDecode) and graphs.shared.steps == params.max_new_tokens - 1
+    ungrouped = runner(shared_prefix=False)
+    assert ungrouped.engine.model_runner.eager_shared is None
+    ungrouped.reset_cache()
+    assert [o.token_ids for o in ungrouped.run(prompts, params, progress=False)] == batch
+    assert ungrouped.loglikelihood(continued) == decoded_kv  # decode-computed, per row
+    ungrouped.reset_cache()
+    assert ungrouped.loglikelihood(continued) == decoded_kv  # computed in a prefill
     return {"ok": True}
 
 

@@ -7,7 +7,7 @@ replaying a captured graph removes that. Two kinds:
   table's padding row (every position: the scratch slot outside the managed pool), attending to itself.
   Batches whose rows share cached prefixes replay graphs of their own, one per batch size, whose
   attention reads each group's prefix once (`paged_attention.shared_decode`; static group buffers, the split
-  count read on the device).
+  count read on the device; deterministic mode: `paged_attention.grouped_decode`'s tiles).
 * `ExtendGraphs`: a few new tokens per row over cached prefixes (a question after a cached few-shot
   prefix), rows and tokens padded to buckets; padded rows are empty and the padded tokens form one extra
   row on the padding row, all writing the scratch slot.
@@ -39,8 +39,7 @@ from transformers.utils import logging
 
 from ..memory.page_table import PADDING_ROW
 from ..paged_attention.forward_batch import ForwardBatch, GraphInputs, StepRows, build_forward_batch
-from ..paged_attention.prefix_groups import DecodeShare
-from ..paged_attention.shared_decode import SharedPrefixDecode, decode_cost
+from ..paged_attention.grouped_decode import decode_planner
 from .engine_view import ForwardEngine, eager_batch
 from .fused_ops import fused_norm_and_rope
 from .graph_shapes import EXTEND_TOKEN_BUCKETS, bucket, bucket_sizes, static_block_words
@@ -224,9 +223,8 @@ class DecodeGraphs(_CapturedForwards):
         super().__init__(engine, max_batch, max_batch, fused_ops and not hybrid)
         self.states = GraphStates(engine.manager, max_batch, engine.device) if hybrid else None
         self.sizes = bucket_sizes(max_batch)
-        cost = decode_cost(engine) if shared_prefix else None
-        # graphs keyed (rows, rows, its graph_prefix_splits) read it, one per batch size of two rows or more
-        self.shared = None if cost is None else SharedPrefixDecode(engine, cost, max_batch, captured=True)
+        # graphs keyed (rows, rows, 1) read its plans, one per batch size of two rows or more
+        self.shared = decode_planner(engine, max_batch, captured=True) if shared_prefix else None
         self._padded: tuple[int, tuple, tuple] | None = None  # see `_pad`
         self._prepared: _PreparedStep | None = None  # see `prepare`
         self.prepared_replays = 0  # replays whose inputs `prepare` had loaded
@@ -245,7 +243,7 @@ class DecodeGraphs(_CapturedForwards):
         per_row = [(s, s) for s in self.sizes]
         if self.shared is None:
             return per_row
-        return per_row + [(s, s, self.shared.graph_prefix_splits) for s in self.sizes if s >= 2]
+        return per_row + [(s, s, 1) for s in self.sizes if s >= 2]
 
     def _pad(self, size: int, step: StepRows) -> StepRows:
         """`step` padded to `size` rows, each wanting its logits; padded rows read their id (0) from the
@@ -267,7 +265,7 @@ class DecodeGraphs(_CapturedForwards):
                 np.concatenate([step.rows, zeros + PADDING_ROW]), np.concatenate([step.new_lens, zeros + 1]),
                 np.concatenate([step.input_ids, zeros]), from_table, zeros,
             )
-            padded[0].setflags(write=False)  # the same rows while kept (`SharedPrefixDecode.share`)
+            padded[0].setflags(write=False)  # the same rows while kept (`DecodePlanner.share`)
             cached = self._padded = (size, sources, padded)
         rows, new_lens, input_ids, from_table, zeros = cached[2]
         return StepRows(rows=rows, prefix_lens=np.concatenate([step.prefix_lens, zeros]), new_lens=new_lens,
@@ -317,15 +315,14 @@ class DecodeGraphs(_CapturedForwards):
         size = bucket(self.sizes, step.batch_size)
         padded = self._pad(size, step)
         share = None if self.shared is None else self.shared.share(padded, count=count)
-        return ((size, size) if share is None else (size, size, share.prefix_splits)), padded
+        return ((size, size) if share is None else (size, size, 1)), padded
 
     def _attach(self, key: tuple[int, ...], batch: ForwardBatch) -> ForwardBatch:
         if self.states is not None:
             batch = dataclasses.replace(batch, state_batch=self.states.batch(key[0]))
         if len(key) == 2:
             return batch
-        share = DecodeShare(self.shared.buffers, key[0], key[2], self.shared.mode, self.shared.side_stream)
-        return dataclasses.replace(batch, shared_prefix=share)
+        return dataclasses.replace(batch, shared_prefix=self.shared.graph_share(key[0]))
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor:
         if batch.shared_prefix is not None:

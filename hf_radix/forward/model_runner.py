@@ -11,7 +11,8 @@ The graphs hold the addresses of the engine's pool: `release` frees them when th
 or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` estimates the memory the
 graphs take, which the engine keeps out of a pool sized from free GPU memory.
 With `shared_prefix` (Triton attention, one device), decode steps whose rows share cached prefixes read
-each group's prefix once where the cost rule says so, in graphs and eagerly (`paged_attention.shared_decode`).
+each group's prefix once where the cost rule says so, in graphs and eagerly (`paged_attention.shared_decode`);
+in deterministic mode, in tiles whose rows get their per-row results (`paged_attention.grouped_decode`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from transformers.utils import logging
 
 from ..memory.page_table import PADDING_ROW, to_device
 from ..paged_attention.forward_batch import ForwardBatch, StepRows
-from ..paged_attention.shared_decode import MAX_PREFIX_SPLITS, SharedPrefixDecode, decode_cost
+from ..paged_attention.grouped_decode import decode_planner
+from ..paged_attention.shared_decode import MAX_PREFIX_SPLITS
 from ..scheduling.logprobs import target_logprobs
 from ..scheduling.sampling import Sampler, SamplingParams, warm_up_sampling
 from .cuda_graph import DecodeGraphs, ExtendGraphs, GraphCaptureError
@@ -65,8 +67,7 @@ class ModelRunner:
         if shared_prefix is None:
             shared_prefix = engine.options.shared_prefix
         self.shared_prefix = shared_prefix and engine.backend.name == "triton" and engine.single_device
-        cost = decode_cost(engine) if self.shared_prefix else None
-        self.eager_shared = None if cost is None else SharedPrefixDecode(engine, cost, 16, grow=True)
+        self.eager_shared = decode_planner(engine, 16, grow=True) if self.shared_prefix else None
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
         if cuda_graph and engine.captures_graphs:  # CUDA, Triton attention, K/V read from the pool
@@ -265,8 +266,8 @@ class ModelRunner:
         return dict(self.warm_up_times)
 
     def _warm_up_shared_prefix(self) -> None:
-        """Compiles the shared-prefix decode kernels: a decode of two padding rows sharing a prefix, with
-        one and with several prefix splits (split counts are launch sizes, not compiled variants)."""
+        """Compiles the shared-prefix (or grouped) decode kernels: decodes of two padding rows sharing a
+        prefix (`DecodePlanner.warm_up_plans`)."""
         if self.eager_shared is None:
             return
         engine = self.engine
@@ -275,10 +276,10 @@ class ModelRunner:
             return
         step = StepRows(rows=np.full(2, PADDING_ROW), prefix_lens=np.full(2, prefix + 1),
                         new_lens=np.ones(2, dtype=np.int64), input_ids=np.zeros(2, dtype=np.int64))
-        for splits in (1, 2):
+        for plan in self.eager_shared.warm_up_plans(step, prefix):
             batch = eager_batch(engine, step)
-            batch.shared_prefix = self.eager_shared.one_group(step, prefix, splits)
-            batch.shared_prefix.refresh(batch.kv_indptr, batch.seq_lens)
+            batch.shared_prefix = plan
+            plan.refresh(batch.kv_indptr, batch.seq_lens)
             engine.run_model(batch)
 
     def _capture_all(self) -> float:

@@ -17,7 +17,7 @@ from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
     from ..memory.state_pool import StateBatch
-    from .prefix_groups import DecodeShare
+    from .shared_decode import DecodePlan
 
 
 @dataclass
@@ -45,7 +45,7 @@ class ForwardBatch:
     prefix_lens: torch.Tensor | None = None  # [B] int32
     prefix_kv_indices: torch.Tensor | None = None  # slots of every row's cached prefix, rows concatenated
     prefix_kv_indptr: torch.Tensor | None = None  # [B+1] int32
-    shared_prefix: DecodeShare | None = None  # decode: each group's prefix read once (shared_decode)
+    shared_prefix: DecodePlan | None = None  # decode: each group's prefix read once (shared/grouped_decode)
     state_batch: StateBatch | None = None  # hybrid models: the rows' state slots (forward.hybrid)
 
     @property

@@ -8,14 +8,17 @@ and loaded into static device buffers then. A step grows each row's suffix by on
 (query positions, suffix ranges, where each context starts in the slot list) the device recomputes from
 the batch's own lengths (`DecodeShare.refresh`), inside a captured graph's replay. The cost rule decides,
 per membership, whether the batch reads shared prefixes once per group or every row reads its own.
+`DecodePlanner` holds that lifecycle; deterministic mode plans its own tiles from the same groups
+(:mod:`.grouped_decode`).
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from transformers.utils import logging
@@ -30,6 +33,8 @@ from .prefix_groups import (
 )
 
 if TYPE_CHECKING:
+    import torch
+
     from ..forward.engine_view import ForwardEngine
     from ..memory.radix_tree import MatchHandle
     from .forward_batch import StepRows
@@ -37,6 +42,14 @@ if TYPE_CHECKING:
 logger = logging.get_logger(__name__)
 
 MAX_PREFIX_SPLITS = 8
+
+
+class DecodePlan(Protocol):
+    """What a decode batch's attention reads besides its metadata (`ForwardBatch.shared_prefix`): a
+    `DecodeShare` (shared-prefix decode), or a `grouped_decode.DecodeTiles` (deterministic mode)."""
+
+    def refresh(self, kv_indptr: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Sets what a step moves from the batch's device metadata (once a step, before the forward)."""
 
 
 def most_prefix_splits(mode: str) -> int:
@@ -87,41 +100,25 @@ def decode_cost(engine: ForwardEngine) -> SharedPrefixCost | None:
                             engine.pool.dtype.itemsize, prefix_parts=2)
 
 
-class SharedPrefixDecode:
-    """Plans decode batches of one engine and holds their static group buffers (sized for ``max_rows``).
+class DecodePlanner(abc.ABC):
+    """Plans the decode batches of one engine when their membership changes (`share`, once a step).
 
-    `share` is called once a step; it rebuilds the plan only when the batch's rows (or their locks)
-    changed. ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
-    ``captured``: the attention is launched inside CUDA graphs, with `graph_prefix_splits` programs a
-    prefix tile whatever the plan's split count (the kernels read it from the buffers): one graph per batch
-    size. Beside the suffix launch ("overlap") a prefix needs no split to fill the GPU: one, and no more
-    programs; the other orders split it as `prefix_splits` says, up to `MAX_PREFIX_SPLITS`.
+    ``steps``: decode steps run with a plan; ``plans``: plans built. Subclasses build a plan from the
+    batch's rows and their locks' tree handles (`_plan`), and give the plan a captured graph of ``rows``
+    rows replays with (`graph_share`: the planner's static buffers, whatever plan they hold then).
     """
 
-    def __init__(self, engine: ForwardEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
-                 captured: bool = False):
+    def __init__(self, engine: ForwardEngine):
         self.engine = engine
-        self.cost = cost
-        self.grow = grow
-        self.captured = captured
-        self.mode = engine.options.shared_prefix_mode
-        # the prefix launches beside the suffix launch ("overlap"): high priority, the longest programs first
-        overlap = self.mode == "overlap"
-        self.side_stream = engine.side_stream("shared_prefix", priority=-1) if overlap else None
-        self.buffers = self._buffers(max_rows)
-        self.steps = 0  # decode steps that read shared prefixes once per group
-        self.plans = 0  # plans built (batch membership changes)
+        self.steps = 0
+        self.plans = 0
         self._rows: np.ndarray | None = None
         self._handles: list[MatchHandle | None] = []
         self._lock_version = -1  # the manager's `lock_version` when `_handles` were last compared
-        self._share: DecodeShare | None = None
+        self._share: DecodePlan | None = None
 
-    def _buffers(self, rows: int) -> SharedPrefixBuffers:
-        tile_q = max(1, self.cost.tile_rows // self.cost.q_heads_per_kv)
-        return SharedPrefixBuffers(rows, rows, tile_q, 1, self.engine.device)
-
-    def share(self, step: StepRows, count: bool = True) -> DecodeShare | None:
-        """The shared-prefix attention of a decode step (padding rows included), or None: per-row.
+    def share(self, step: StepRows, count: bool = True) -> DecodePlan | None:
+        """The plan of a decode step (padding rows included), or None: per-row attention.
         `count=False`: the step is planned ahead (its run counts it in `steps`).
 
         O(1) Python work while the batch's rows are unchanged (the same read-only array, or equal ones) and
@@ -136,14 +133,55 @@ class SharedPrefixDecode:
             if not (same_rows and all(a is b for a, b in zip(handles, self._handles))):
                 # held: a lock's id is never reused meanwhile; read-only rows (a steady batch's) as they are
                 self._rows, self._handles = rows if not rows.flags.writeable else rows.copy(), handles
+                self.plans += 1
                 self._share = self._plan(step, handles)
             self._lock_version = manager.lock_version
         if self._share is not None and count:
             self.steps += 1
         return self._share
 
+    @abc.abstractmethod
+    def _plan(self, step: StepRows, handles: list[MatchHandle | None]) -> DecodePlan | None:
+        """The plan of a batch whose membership changed (its buffers loaded), or None: per-row."""
+
+    @abc.abstractmethod
+    def graph_share(self, rows: int) -> DecodePlan:
+        """What a captured graph of ``rows`` (padded) rows reads: the static buffers, refilled by `share`."""
+
+    @abc.abstractmethod
+    def warm_up_plans(self, step: StepRows, prefix_len: int) -> Iterator[DecodePlan]:
+        """Plans of ``step``'s rows as one group sharing their first ``prefix_len`` positions, whatever the
+        tree says, each loaded as it is yielded: warm-up compiles the kernels on padding rows with them."""
+
+
+class SharedPrefixDecode(DecodePlanner):
+    """Plans decode batches of one engine and holds their static group buffers (sized for ``max_rows``).
+
+    `share` rebuilds the plan only when the batch's rows (or their locks) changed. ``grow``: a batch past
+    the capacity gets larger buffers (eager use; graphs keep theirs). ``captured``: the attention is
+    launched inside CUDA graphs, with `graph_prefix_splits` programs a prefix tile whatever the plan's split
+    count (the kernels read it from the buffers): one graph per batch size. Beside the suffix launch
+    ("overlap") a prefix needs no split to fill the GPU: one, and no more programs; the other orders split
+    it as `prefix_splits` says, up to `MAX_PREFIX_SPLITS`.
+    """
+
+    def __init__(self, engine: ForwardEngine, cost: SharedPrefixCost, max_rows: int, *, grow: bool = False,
+                 captured: bool = False):
+        super().__init__(engine)
+        self.cost = cost
+        self.grow = grow
+        self.captured = captured
+        self.mode = engine.options.shared_prefix_mode
+        # the prefix launches beside the suffix launch ("overlap"): high priority, the longest programs first
+        overlap = self.mode == "overlap"
+        self.side_stream = engine.side_stream("shared_prefix", priority=-1) if overlap else None
+        self.buffers = self._buffers(max_rows)
+
+    def _buffers(self, rows: int) -> SharedPrefixBuffers:
+        tile_q = max(1, self.cost.tile_rows // self.cost.q_heads_per_kv)
+        return SharedPrefixBuffers(rows, rows, tile_q, 1, self.engine.device)
+
     def _plan(self, step: StepRows, handles: list[MatchHandle | None]) -> DecodeShare | None:
-        self.plans += 1
         node_ids, shared_lens = tree_groups(handles)
         if not (node_ids >= 0).any():
             return None
@@ -179,14 +217,18 @@ class SharedPrefixDecode:
                                _sm_count(self.engine.device))
         return min(splits, self.graph_prefix_splits)
 
-    def one_group(self, step: StepRows, prefix_len: int, splits: int) -> DecodeShare:
-        """The rows of ``step`` as one group sharing their first ``prefix_len`` positions, whatever the tree
-        and the cost rule say: warm-up compiles the shared-prefix kernels on padding rows with it."""
+    def graph_share(self, rows: int) -> DecodeShare:
+        return DecodeShare(self.buffers, rows, self.graph_prefix_splits, self.mode, self.side_stream)
+
+    def warm_up_plans(self, step: StepRows, prefix_len: int) -> Iterator[DecodeShare]:
+        """See `DecodePlanner.warm_up_plans`: with one and with several prefix splits (split counts are
+        launch sizes, not compiled variants)."""
         rows = step.batch_size
         seq = step.prefix_lens + 1
         cost = dataclasses.replace(self.cost, keep_all=True)
         plan = build_shared_prefix_plan(np.zeros(rows, dtype=np.int64), np.full(rows, prefix_len),
                                         np.cumsum(seq) - seq, seq, cost=cost, page_size=self.engine.page_size,
                                         suffix_tile_q=1)
-        self._rows = None  # the next `share` plans afresh
-        return self._load(plan, rows, splits)
+        for splits in (1, 2):
+            self._rows = None  # the next `share` plans afresh
+            yield self._load(plan, rows, splits)

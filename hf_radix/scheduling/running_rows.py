@@ -27,7 +27,7 @@ class RunningRows:
         n = len(reqs)
         self.reqs = reqs  # never modified: a changed list gets new arrays
         self.rows = np.fromiter((r.row for r in reqs), dtype=np.int64, count=n)
-        self.rows.setflags(write=False)  # the same rows every step (`SharedPrefixDecode.share` relies on it)
+        self.rows.setflags(write=False)  # the same rows every step (`DecodePlanner.share` relies on it)
         self.starts = np.fromiter((r.computed_len for r in reqs), dtype=np.int64, count=n)
         self.params: list[SamplingParams] = [r.params for r in reqs]
         self.uids = tuple(r.index for r in reqs)
