@@ -239,7 +239,8 @@ def main() -> None:
         print(json.dumps(results["zero_reuse"], indent=1))
     if args.generate:
         shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
-        results["generate"] = generate_part(model, runner, shared, new_tokens, hf_batch,
+        # calls of at most 64 rows: a call's every row must fit its prompt and new tokens in the pool
+        results["generate"] = generate_part(model, runner, shared, new_tokens, min(hf_batch, 64),
                                             results["shared"]["hf_generate_s"], device)
         print(json.dumps(results["generate"], indent=1))
     if args.groups16:

@@ -1,7 +1,8 @@
 """Deterministic mode's linear layers: the fixed-tile Triton product against cuBLAS, on Llama-3.1-8B's shapes.
 
 For each weight shape and row count: cuBLAS `F.linear` (the default mode), 256-row cuBLAS products (the
-mode's earlier scheme, for reference) and `invariant_matmul` under each candidate launch config; time per
+mode's earlier scheme, for reference), `invariant_matmul` as the mode runs it (`policy`: `linear_config`'s
+pick by row count) and under each candidate launch config; time per
 call (CUDA events, median of repeats) and whether a row's bits are the same alone, at several places of a
 large call and under every config (`identical_rows`, `identical_across_configs`).
 
@@ -20,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import parser_for, say, write_result  # noqa: E402
 
-from hf_radix.kernels.triton_invariant_matmul import invariant_matmul, linear_config  # noqa: E402
+from hf_radix.kernels.triton_invariant_matmul import SMALL_ROWS, invariant_matmul, linear_config  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -73,8 +74,10 @@ def bench_shape(name: str, n: int, k: int) -> dict:
     """One weight shape: bit checks per config, then times per row count."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
     x_all = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16)
-    shape: dict = {"n": n, "k": k, "config": linear_config(n, k, torch.bfloat16, "cuda"), "ms": {},
-                   "identical_rows": {}}
+    device = torch.device("cuda")
+    shape: dict = {"n": n, "k": k, "ms": {}, "identical_rows": {},
+                   "policy": {size: linear_config(rows, torch.bfloat16, device)
+                              for size, rows in (("small", 1), ("large", SMALL_ROWS + 1))}}
     probe = x_all[5:6]
     reference = {}
     for c, cfg in list(CONFIGS.items()):
@@ -94,12 +97,14 @@ def bench_shape(name: str, n: int, k: int) -> dict:
         shape["identical_rows"][c] = bool(same)
     for m in ROWS:
         x = x_all[:m]
-        row = {"cublas": ms(lambda x=x: F.linear(x, w)), "chunked_256": ms(lambda x=x: chunked_256(x, w))}
+        row = {"cublas": ms(lambda x=x: F.linear(x, w)), "chunked_256": ms(lambda x=x: chunked_256(x, w)),
+               "policy": ms(lambda x=x: invariant_matmul(x, w))}
         for c, cfg in configs.items():
             row[c] = ms(lambda x=x, cfg=cfg: invariant_matmul(x, w, config=cfg))
         shape["ms"][m] = row
-        best = min((v, c) for c, v in row.items() if c not in ("cublas", "chunked_256"))
+        best = min((v, c) for c, v in row.items() if c not in ("cublas", "chunked_256", "policy"))
         say(f"{name:8s} M={m:5d} cublas {row['cublas']:.3f} ms, 256-chunks {row['chunked_256']:.3f}, "
+            f"policy {row['policy']:.3f} ({row['policy'] / row['cublas']:.2f}x), "
             f"best triton {best[1]} {best[0]:.3f} ({best[0] / row['cublas']:.2f}x)")
     return shape
 

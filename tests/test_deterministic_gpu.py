@@ -43,3 +43,19 @@ def test_requests_identical_across_configurations() -> None:
     assert len(results) >= 6
     same = det.identical(results)
     assert all(same), [i for i, ok in enumerate(same) if not ok]
+
+
+@pytest.mark.parametrize("n, k", [(512, 512), (1536, 512), (8192, 512), (384, 1536), (1000, 200)])
+def test_linear_rows_identical_under_both_configs(n: int, k: int) -> None:
+    """A row's product has the same bits in a decode-sized call (the small tiles) as in a prefill-sized one
+    (the large tiles, tensor-memory loads on Hopper), at any place of either."""
+    from hf_radix.kernels.triton_invariant_matmul import SMALL_ROWS, invariant_matmul
+
+    torch.manual_seed(0)
+    x = torch.randn(3000, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    large = invariant_matmul(x, w, b)
+    torch.testing.assert_close(large, torch.nn.functional.linear(x, w, b), atol=2e-2, rtol=2e-2)
+    for start, rows in ((0, 1), (7, 1), (100, SMALL_ROWS), (2999, 1), (1000, SMALL_ROWS + 1), (5, 777)):
+        assert torch.equal(invariant_matmul(x[start : start + rows], w, b), large[start : start + rows])

@@ -1,10 +1,10 @@
 """Batch-invariant matrix product ``x @ weight.T (+ bias)``: one tile shape for every row count.
 
 A GEMM library picks its kernel (tile shape, split along K) by the problem's shape, so a row's product can
-round differently when the call holds 3 rows than when it holds 3,000. This kernel's launch config depends on
-the weight's shape alone (`linear_config`), never on the row count: every output element is one program's
-fp32 accumulation over K in blocks of ``BLOCK_K``, in increasing order, with no split along K, so a row's
-result depends on that row and the weight only (deterministic mode's linear layers).
+round differently when the call holds 3 rows than when it holds 3,000. Here every output element is one
+program's fp32 accumulation over K in blocks of ``BLOCK_K``, in increasing order, with no split along K, so a
+row's result depends on that row and the weight only (deterministic mode's linear layers). The tile shape
+(`linear_config`) may follow the row count; the split of K never does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import FP_FUSION, interpreting
 from .triton_attention_common import _dot_prec
 
-__all__ = ["invariant_matmul", "linear_config"]
+__all__ = ["SMALL_ROWS", "invariant_matmul", "linear_config"]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -90,14 +90,31 @@ def _matmul_tma_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
+SMALL_ROWS = 128  # products of up to this many rows (decode steps) take a config of smaller tiles
+
+
 @functools.cache
-def linear_config(n: int, k: int, dtype: torch.dtype, device_type: str) -> dict[str, int]:
-    """The one launch config of a weight shape (every call with that weight uses it, whatever its rows)."""
-    if device_type != "cuda" or interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+def _configs(dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
+    if device.type != "cuda" or interpreting():
+        tiny = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
+        return tiny, tiny
     if dtype == torch.float32:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        fp32 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+        return fp32, fp32
+    small = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    large = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    if torch.cuda.get_device_capability(device)[0] >= 9:  # tensor-memory loads, persistent, warp-specialized
+        programs = torch.cuda.get_device_properties(device).multi_processor_count
+        large = {**large, "BLOCK_N": 256, "TMA": True, "NUM_PROGRAMS": programs, "WARP_SPECIALIZE": True}
+    return small, large
+
+
+def linear_config(rows: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The launch config of a product of `rows` rows. The two configs (up to `SMALL_ROWS` rows, more) split
+    K alike, so each output element accumulates the same products in the same order under either: a row's
+    bits do not depend on the config (tests/test_deterministic_gpu.py and bench/linear_bench.py check it)."""
+    small, large = _configs(dtype, device)
+    return small if rows <= SMALL_ROWS else large
 
 
 def invariant_matmul(
@@ -122,7 +139,7 @@ def invariant_matmul(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not (m and n):
         return out.view(*x.shape[:-1], n)
-    cfg = dict(config) if config is not None else linear_config(n, k, weight.dtype, x.device.type)
+    cfg = dict(config if config is not None else linear_config(m, weight.dtype, x.device))
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     common = dict(HAS_BIAS=bias is not None, DOT_PREC=_dot_prec(x.dtype), enable_fp_fusion=FP_FUSION)
     bias_arg = bias if bias is not None else out
