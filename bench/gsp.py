@@ -7,8 +7,8 @@ CUDA-graph capture, timed separately: `setup`); the first run (the shared worklo
 reported next to the steady one, and each decode step's host time (schedule + launch) and GPU time.
 `--tiny` runs a CPU-sized self-check.
 
-`--generate` adds the key `generate`: the shared workload through radix `generate` (batches of `--hf-batch`
-rows, the cache emptied before each variant), with the prefix a call's rows share computed once
+`--generate` adds the key `generate`: the shared workload through radix `generate` (batches of `--hf-batch`,
+at most 64, rows; the cache emptied before each variant), with the prefix a call's rows share computed once
 (`integrations/prefix_sharing.py`) and, for comparison, with that off (every row computes it).
 
 `--groups16` adds a second part under the key `groups16`: 16 groups x 16 prompts, 1,024-token system
