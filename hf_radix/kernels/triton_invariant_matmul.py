@@ -90,7 +90,7 @@ def _matmul_tma_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
-SMALL_ROWS = 128  # products of up to this many rows (decode steps) take a config of smaller tiles
+SMALL_ROWS = 256  # products of up to this many rows (decode steps) take a config of smaller tiles
 
 
 @functools.cache
