@@ -19,7 +19,7 @@ NEW = 4
 
 def _plan(prompts: list[list[int]], computed: list[int], page_size: int) -> dict[int, int]:
     arrays = {b: np.array(p) for b, p in enumerate(prompts)}
-    return leader_targets(arrays, dict(enumerate(computed)), page_size)
+    return leader_targets(arrays, dict(enumerate(computed)), page_size).targets
 
 
 def test_the_plan_picks_one_leader_per_run_up_to_what_its_followers_share() -> None:
@@ -97,6 +97,30 @@ def test_dense_rows_sharing_a_prefix_compute_it_once(arch: str, page_size: int, 
     again = _both(model, prompts)  # a second call hits every prompt up to its last page boundary
     tails = sum(len(p) - (len(p) - 1) // page_size * page_size for p in prompts[:-2])  # (duplicates: none)
     assert again["computed_tokens"] == tails + len(prompts) * (NEW - 1)
+
+
+def test_a_call_that_fits_only_with_its_prefix_shared_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight rows on a 300-token prefix need 8 x (300 + tail + new) slots computed per row, more than the
+    pool holds; computed once, the prefix leaves room: the call runs (exact). Without sharing it is refused
+    before any forward, with advice, and the cache stays consistent."""
+    from hf_radix.integrations import prefix_sharing
+
+    model = fresh_model("llama")
+    hf_radix.configure(model, max_total_tokens=1024, page_size=4, attn_backend="torch")
+    gen = torch.Generator().manual_seed(3)
+    shared = random_ids(gen, 300, vocab=90)
+    prompts = [shared + random_ids(gen, 10 + b, vocab=90) for b in range(8)]
+    stats = _both(model, prompts)
+    assert stats["computed_tokens"] < 300 + 8 * (20 + NEW)
+    hf_radix.reset_cache(model)
+    monkeypatch.setattr(prefix_sharing, "MIN_SAVED", 10**9)  # no round pays: every row computes the prefix
+    ids, mask = _left_pad(prompts)
+    with pytest.raises(ValueError, match="KV-cache slots"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=PAD,
+                       cache_implementation="radix")
+    engine = hf_radix.get_engine(model)
+    engine.check_integrity()
+    assert engine.manager.num_rows == 0
 
 
 @pytest.mark.slow

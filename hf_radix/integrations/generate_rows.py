@@ -71,14 +71,16 @@ class GenerateRows:
             self.engine.record_prompt(n, n if follower else handle.cached_len, restored)
         self.tokens = RowTokens(prompts)
 
-    def check_capacity(self) -> None:
-        """Fails early, with advice, when the call's worst case cannot fit in the pool."""
+    def check_capacity(self, sharing: dict[int, int]) -> None:
+        """Fails early, with advice, when the call's worst case cannot fit in the pool; `sharing`: rows that
+        re-open on a prefix another row of the call computes first, and its length (`prefix_sharing`)."""
         manager = self.engine.manager
         ps = manager.page_size
         need = 0
         for b, req in enumerate(self.reqs):
             n = req.prompt_len
             start = n - n % ps if b in self.duplicates.followers else manager.row_cached_len(req.row)
+            start = max(start, sharing.get(b, 0))
             need += manager.pages_for(start, n + self.max_new) * ps
         available = manager.available_size
         if need > available:

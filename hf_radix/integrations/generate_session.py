@@ -156,7 +156,7 @@ class RadixGenerateCache(RadixCache):
             self.rows.tokens.append(input_ids[:, width - fresh:].cpu().numpy())
         self.seen = total
         if self.steps == 0 and (self._ahead is None or self._ahead[1] is None):  # nothing ran ahead
-            while leaders := call_targets(self.rows):  # shared prefixes once (`prefix_sharing`)
+            while leaders := call_targets(self.rows).targets:  # shared prefixes once (`prefix_sharing`)
                 self._compute(leaders, model)
                 reopen_followers(self.rows, leaders)
         if self.steps == 0 and self.prefill_chunk_size:
@@ -187,7 +187,7 @@ class RadixGenerateCache(RadixCache):
         ):
             return
         self._open_rows(ids, None, mask, ids.shape[1])
-        if call_targets(self.rows):  # shared prefixes first: generate's own step runs the rest
+        if call_targets(self.rows).targets:  # shared prefixes first: generate's own step runs the rest
             self._ahead = (ids, None, None)
             return
         step = self.rows.step()
@@ -271,7 +271,7 @@ class RadixGenerateCache(RadixCache):
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         self._logits_rows = self.rows.logits_rows()
-        self.rows.check_capacity()
+        self.rows.check_capacity(call_targets(self.rows).followers)
 
     def _make_step(
         self, ends: dict[int, int] | None, logits: bool

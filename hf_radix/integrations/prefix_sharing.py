@@ -13,6 +13,7 @@ point is one: followers re-open on the leader's state snapshot there.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,10 +28,18 @@ MIN_SHARED = 16  # tokens a follower must reuse (and at least a page)
 MIN_SAVED = 256  # tokens a round must save in all for its extra forward
 
 
-def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], page_size: int
-                   ) -> dict[int, int]:
-    """Batch row -> the prompt length it computes first, for the rows `prompts` (computed up to `computed`);
-    empty when the round would save fewer than `MIN_SAVED` tokens.
+@dataclass
+class SharingRound:
+    """A round's leaders (batch row -> the prompt length it computes first) and its followers (batch row ->
+    the prompt tokens it re-opens on after the leaders); both empty when the round does not pay."""
+
+    targets: dict[int, int] = field(default_factory=dict)
+    followers: dict[int, int] = field(default_factory=dict)
+
+
+def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], page_size: int) -> SharingRound:
+    """The sharing round of the rows `prompts` (computed up to `computed`); empty when it would save fewer
+    than `MIN_SAVED` tokens.
 
     Rows next to each other in byte order that share at least `MIN_SHARED` tokens (and a page) past what
     they hold form a run; its leader is the row whose prefixes shared with the others save the most, and
@@ -45,21 +54,22 @@ def leader_targets(prompts: dict[int, np.ndarray], computed: dict[int, int], pag
         if k + 1 == len(order) or shared[k] - max(computed[order[k]], computed[order[k + 1]]) < least:
             runs.append((order[start : k + 1], shared[start:k]))
             start = k + 1
-    targets, saved = {}, 0
+    plan, saved = SharingRound(), 0
     for rows, between in runs:
         held = np.array([computed[b] for b in rows])
         between = np.asarray(between, dtype=np.int64)
-        best = (0, 0, 0)  # tokens saved, leader position, target
+        best, reuse = (0, 0, 0, None), None  # tokens saved, leader position, target, the followers' mask
         for i in range(len(rows)):
             with_leader = _shared_with(between, i)
             gains = np.where(with_leader - held >= least, with_leader - held, 0)
             gains[i] = 0
             if gains.sum() > best[0]:
-                best = (int(gains.sum()), i, int(with_leader[gains > 0].max()))
+                best, reuse = (int(gains.sum()), i, int(with_leader[gains > 0].max()), gains > 0), with_leader
         if best[0] and best[2] > computed[rows[best[1]]]:
-            targets[rows[best[1]]] = best[2]
+            plan.targets[rows[best[1]]] = best[2]
+            plan.followers.update((rows[k], int(reuse[k])) for k in np.flatnonzero(best[3]))
             saved += best[0]
-    return targets if saved >= MIN_SAVED else {}
+    return plan if saved >= MIN_SAVED else SharingRound()
 
 
 def _shared_with(between: np.ndarray, i: int) -> np.ndarray:
@@ -71,10 +81,10 @@ def _shared_with(between: np.ndarray, i: int) -> np.ndarray:
     return out
 
 
-def call_targets(rows: GenerateRows) -> dict[int, int]:
+def call_targets(rows: GenerateRows) -> SharingRound:
     """`leader_targets` of a generate call's computing rows (none for prompts given as embeddings)."""
     if rows.opaque:
-        return {}
+        return SharingRound()
     computing = rows.compute_rows()
     return leader_targets({b: rows.tokens.row(b) for b in computing},
                           {b: rows.reqs[b].computed_len for b in computing}, rows.engine.manager.page_size)
