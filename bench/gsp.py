@@ -239,7 +239,7 @@ def main() -> None:
         print(json.dumps(results["zero_reuse"], indent=1))
     if args.generate:
         shared = make_prompts(groups, per_group, system_len, question_len, vocab, shared=True)
-        # calls of at most 64 rows: a call's every row must fit its prompt and new tokens in the pool
+        # calls of at most 64 rows: with the sharing off (the comparison) every row computes its whole prompt
         results["generate"] = generate_part(model, runner, shared, new_tokens, min(hf_batch, 64),
                                             results["shared"]["hf_generate_s"], device)
         print(json.dumps(results["generate"], indent=1))

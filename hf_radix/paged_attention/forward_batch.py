@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -17,7 +17,14 @@ from ..memory.page_table import PageTable
 
 if TYPE_CHECKING:
     from ..memory.state_pool import StateBatch
-    from .shared_decode import DecodePlan
+
+
+class DecodePlan(Protocol):
+    """What a decode batch's attention reads besides its metadata (`ForwardBatch.shared_prefix`): a
+    `DecodeShare` (shared-prefix decode), or a `grouped_decode.DecodeTiles` (deterministic mode)."""
+
+    def refresh(self, kv_indptr: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Sets what a step moves from the batch's device metadata (once a step, before the forward)."""
 
 
 @dataclass

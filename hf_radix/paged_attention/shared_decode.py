@@ -18,7 +18,7 @@ import abc
 import dataclasses
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 from transformers.utils import logging
@@ -33,23 +33,14 @@ from .prefix_groups import (
 )
 
 if TYPE_CHECKING:
-    import torch
 
     from ..forward.engine_view import ForwardEngine
     from ..memory.radix_tree import MatchHandle
-    from .forward_batch import StepRows
+    from .forward_batch import DecodePlan, StepRows
 
 logger = logging.get_logger(__name__)
 
 MAX_PREFIX_SPLITS = 8
-
-
-class DecodePlan(Protocol):
-    """What a decode batch's attention reads besides its metadata (`ForwardBatch.shared_prefix`): a
-    `DecodeShare` (shared-prefix decode), or a `grouped_decode.DecodeTiles` (deterministic mode)."""
-
-    def refresh(self, kv_indptr: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Sets what a step moves from the batch's device metadata (once a step, before the forward)."""
 
 
 def most_prefix_splits(mode: str) -> int:
