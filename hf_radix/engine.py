@@ -88,7 +88,7 @@ class RadixEngine:
             self.host_tier = HostTier(self.pool, host_tokens, state_slots=states)
             self.host_tier.attach(self.manager)
         if self.options.deterministic:
-            refuse_deterministic(self.hybrid, self.single_device, shape.latent)
+            refuse_deterministic(model, self.hybrid, self.single_device, shape.latent)
         _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
         self.stats = RadixStats()
         self._model_runner: ModelRunner | None = None

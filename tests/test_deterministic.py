@@ -38,11 +38,28 @@ def test_lm_eval_model_args_turn_the_mode_on() -> None:
 def test_refusals() -> None:
     with pytest.raises(ValueError, match="Triton"):
         make_backend("torch", torch.device("cpu"), deterministic=True)
+    plain = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="hybrid.*several devices"):
-        inv.refuse_deterministic(True, False, False)
+        inv.refuse_deterministic(plain, True, False, False)
     with pytest.raises(ValueError, match="MLA"):
-        inv.refuse_deterministic(False, True, True)
-    inv.refuse_deterministic(False, True, False)
+        inv.refuse_deterministic(plain, False, True, True)
+    inv.refuse_deterministic(plain, False, True, False)
+
+
+def test_quantized_models_are_refused_before_any_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hf_radix
+    from hf_radix import attention
+    from hf_radix.tiny import tiny_model
+
+    monkeypatch.setattr(attention, "triton_runs_on", lambda t: True)  # past the backend's own refusal
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.config.quantization_config = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    forwards: list[int] = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match="quantized models"):
+        hf_radix.configure(model, deterministic=True, attn_backend="triton")
+        hf_radix.get_engine(model)
+    assert not forwards
 
 
 def test_configure_refuses_off_triton() -> None:

@@ -68,10 +68,14 @@ def invariant_ops(fused_model: torch.nn.Module | None = None) -> Iterator[None]:
         yield
 
 
-def refuse_deterministic(hybrid: bool, single_device: bool, latent: bool) -> None:
+def refuse_deterministic(model: torch.nn.Module, hybrid: bool, single_device: bool, latent: bool) -> None:
     """Raises ValueError where deterministic mode cannot hold: what this engine does not make invariant."""
+    quantized = getattr(model, "hf_quantizer", None) is not None or (
+        getattr(getattr(model, "config", None), "quantization_config", None) is not None
+    )
     reasons = [
         reason for refused, reason in (
+            (quantized, "quantized models (their layers' products do not go through F.linear)"),
             (hybrid, "hybrid models (their state layers' scans are not made batch-invariant)"),
             (not single_device, "several devices or tensor parallel (cross-device reductions)"),
             (latent, "MLA latent pools (their attention is not made batch-invariant)"),
