@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,6 +95,21 @@ def test_override_scoped_to_block_and_thread(monkeypatch: pytest.MonkeyPatch) ->
     assert _active_modes() == 0
     layer(x)  # with autograd again: the plain linear
     assert calls == [1]
+
+
+def test_products_outside_linear_layers_are_refused() -> None:
+    """A product the mode does not make invariant (a reduction outside `nn.Linear`) fails the forward with
+    the reason; products without a reduction (rotary's outer product) and linear layers pass."""
+    x, w = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    with inv.invariant_ops():
+        for call in (lambda: torch.bmm(x, w), lambda: x @ w, lambda: torch.einsum("bij,bjk->bik", x, w),
+                     lambda: torch.addmm(torch.zeros(3, 5), x[0], w[0]), lambda: x[0].matmul(w[0])):
+            with pytest.raises(ValueError, match="deterministic=True: the model computes .* outside its"):
+                call()
+        freqs = torch.randn(1, 4, 1) @ torch.arange(6.0)[None, None, :]  # Llama's rotary: no reduction
+        assert freqs.shape == (1, 4, 6)
+        assert torch.einsum("i,j->ij", torch.randn(3), torch.randn(4)).shape == (3, 4)
+        assert torch.nn.Linear(4, 5)(x).shape == (2, 3, 5)
 
 
 def test_mean_left_alone_where_triton_cannot_run() -> None:
@@ -218,6 +234,24 @@ def check_matmul() -> dict:
     return {"ok": True}
 
 
+def check_refused_model() -> dict:
+    """GPT-2 (Conv1D layers: `torch.addmm`, not `F.linear`): its first forward raises the reason (on a GPU,
+    the runner's warm-up's) and leaves the cache consistent."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from model_matrix import tiny_matrix_model
+
+    from hf_radix import RadixBatchRunner, SamplingParams
+
+    model = tiny_matrix_model("GPT2")
+    runner = RadixBatchRunner(model, deterministic=True, attn_backend="triton", cuda_graph=False,
+                              warm_up=False)
+    with pytest.raises(ValueError, match="computes addmm"):
+        runner.run([[5, 6, 7, 8]], SamplingParams(max_new_tokens=2), progress=False)
+    runner.check_integrity()
+    assert runner.engine.manager.num_rows == 0
+    return {"ok": True}
+
+
 def check_runner() -> dict:
     """A tiny Llama in deterministic mode: tokens and log-likelihoods alone, in a batch (its decode steps
     grouped: the rows share a 40-token prefix), in reverse order after a warm cache, with pages of 4 and
@@ -282,6 +316,7 @@ CHECKS = {
     "row_mean": check_row_mean,
     "matmul": check_matmul,
     "runner": check_runner,
+    "refused_model": check_refused_model,
 }
 
 test_triton_interpreter = pytest.mark.slow(interpreter_test(__file__, CHECKS))

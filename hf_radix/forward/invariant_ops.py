@@ -32,6 +32,32 @@ def _last_dim(dim, ndim: int) -> bool:
     return isinstance(dim, int) and dim in (-1, ndim - 1)
 
 
+_PRODUCTS = {
+    f for f in (
+        torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__, torch.mm,
+        torch.Tensor.mm, torch.bmm, torch.Tensor.bmm, torch.addmm, torch.Tensor.addmm, torch.baddbmm,
+        torch.Tensor.baddbmm, torch.einsum, F.bilinear, F.scaled_dot_product_attention,
+        getattr(torch, "_grouped_mm", None), getattr(F, "grouped_mm", None),
+    ) if f is not None
+}
+
+
+def _reduced(func, args: tuple) -> int:
+    """How many products a call of `func` (one of `_PRODUCTS`) sums into each output element (1: none)."""
+    if func is torch.einsum:
+        equation = args[0].replace(" ", "")
+        inputs, _, output = equation.partition("->")
+        return 2 if set(inputs.replace(",", "")) - set(output) - {"."} else 1
+    if func is torch.Tensor.__rmatmul__:
+        args = args[::-1]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if func in (torch.addmm, torch.Tensor.addmm, torch.baddbmm, torch.Tensor.baddbmm):
+        tensors = tensors[1:]
+    if func is F.scaled_dot_product_attention or not tensors:
+        return 2
+    return tensors[0].shape[-1] if tensors[0].dim() else 1
+
+
 def _same_dtype(x: torch.Tensor, *others) -> bool:
     return all(t is None or (isinstance(t, torch.Tensor) and t.dtype == x.dtype) for t in others)
 
@@ -41,6 +67,12 @@ class _InvariantMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _PRODUCTS and _reduced(func, args) > 1:
+            raise ValueError(
+                f"deterministic=True: the model computes {getattr(func, '__name__', func)} over a reduced "
+                "dimension outside its nn.Linear layers; the mode makes only those products (and last-dim "
+                "means, norms, rotary embeddings, attention) batch-invariant: it cannot hold for this model"
+            )
         x = args[0] if args else None
         if not (isinstance(x, torch.Tensor) and x.is_floating_point() and triton_runs_on(x)):
             return func(*args, **kwargs)
