@@ -2,9 +2,10 @@
 
 For each weight shape and row count: cuBLAS `F.linear` (the default mode), 256-row cuBLAS products (the
 mode's earlier scheme, for reference), `invariant_matmul` as the mode runs it (`policy`: `linear_config`'s
-pick by row count) and under each candidate launch config; time per
-call (CUDA events, median of repeats) and whether a row's bits are the same alone, at several places of a
-large call and under every config (`identical_rows`, `identical_across_configs`).
+pick by row count) and under each candidate launch config; GPU time per
+call (replayed from a CUDA graph, median of repeats) and whether a row's bits are the same alone and at
+several places of a large call (`identical_rows`) and the same as under the mode's own pick
+(`identical_to_policy`).
 
     python bench/linear_bench.py [--json PATH]
 """
@@ -42,6 +43,12 @@ CONFIGS = {
                                   num_stages=4, NUM_PROGRAMS=_SMS),
     "tmaws_128x256x64_w8_s3": dict(TMA=True, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8,
                                    num_stages=3, NUM_PROGRAMS=_SMS, WARP_SPECIALIZE=True),
+    # decode-sized candidates: narrower tiles (more programs), deeper pipelines, a longer K block, 32 rows
+    "64x64x64_w4_s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    "64x64x64_w4_s6": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=6),
+    "64x128x128_w4_s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
+    "64x32x64_w4_s6": dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=6),
+    "32x64x64_w4_s5": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5),
 }
 
 
@@ -56,17 +63,27 @@ def chunked_256(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out[:n]
 
 
-def ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
+def ms(fn, calls: int = 10, repeats: int = 10) -> float:
+    """GPU milliseconds a call of `fn` takes, replayed from a CUDA graph of `calls` calls (no launch cost:
+    decode steps run from graphs; a prefill's launches hide behind its kernels)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(repeats):
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
     return sorted(times)[len(times) // 2]
 
 
@@ -86,8 +103,8 @@ def bench_shape(name: str, n: int, k: int) -> dict:
         except Exception as error:  # a config this GPU or Triton cannot compile: reported, left out
             shape.setdefault("errors", {})[c] = repr(error)[:300]
     configs = {c: CONFIGS[c] for c in reference}
-    first = reference[next(iter(configs))]
-    shape["identical_across_configs"] = all(torch.equal(r, first) for r in reference.values())
+    policy = invariant_matmul(probe, w)[0]
+    shape["identical_to_policy"] = {c: torch.equal(r, policy) for c, r in reference.items()}
     for c, cfg in configs.items():
         same = torch.equal(invariant_matmul(x_all, w, config=cfg)[5], reference[c])
         for m in (16, 300, 4097):
@@ -97,10 +114,12 @@ def bench_shape(name: str, n: int, k: int) -> dict:
         shape["identical_rows"][c] = bool(same)
     for m in ROWS:
         x = x_all[:m]
-        row = {"cublas": ms(lambda x=x: F.linear(x, w)), "chunked_256": ms(lambda x=x: chunked_256(x, w)),
-               "policy": ms(lambda x=x: invariant_matmul(x, w))}
+        calls = 10 if m * n <= 2**26 else 2  # a graph keeps every call's output
+        row = {"cublas": ms(lambda x=x: F.linear(x, w), calls),
+               "chunked_256": ms(lambda x=x: chunked_256(x, w), calls),
+               "policy": ms(lambda x=x: invariant_matmul(x, w), calls)}
         for c, cfg in configs.items():
-            row[c] = ms(lambda x=x, cfg=cfg: invariant_matmul(x, w, config=cfg))
+            row[c] = ms(lambda x=x, cfg=cfg: invariant_matmul(x, w, config=cfg), calls)
         shape["ms"][m] = row
         best = min((v, c) for c, v in row.items() if c not in ("cublas", "chunked_256", "policy"))
         say(f"{name:8s} M={m:5d} cublas {row['cublas']:.3f} ms, 256-chunks {row['chunked_256']:.3f}, "
