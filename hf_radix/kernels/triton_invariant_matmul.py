@@ -22,24 +22,26 @@ from .triton_attention_common import _dot_prec
 __all__ = ["SMALL_ROWS", "invariant_matmul", "linear_config"]
 
 
+@triton.jit
+def _tile_origin(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """The first row and column of output tile ``tile``: GROUP_M row tiles of one column tile come back to
+    back, so the weight tile stays in L2 for them."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = tile // per_group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return (first_m + (tile % per_group) % size_m) * BLOCK_M, (tile % per_group) // size_m * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     X, W, Bias, Out, M, N, K, stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    # Programs run GROUP_M row tiles of one column tile back to back: the weight tile stays in L2 for them.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    first_m = pid // per_group * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % size_m
-    pid_n = (pid % per_group) // size_m
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    off_m, off_n = _tile_origin(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     rows = (offs_m % M).to(tl.int64)  # rows past M re-read valid ones; their results are not stored
     cols = (offs_n % N).to(tl.int64)
@@ -70,17 +72,12 @@ def _matmul_tma_kernel(
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     # Tensor-memory loads (tiles past the edges read 0, stores past them are dropped); with NUM_PROGRAMS > 0
-    # persistent: each program walks the tiles NUM_PROGRAMS apart, in the grouped order of `_matmul_kernel`.
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_n
-    step = NUM_PROGRAMS if NUM_PROGRAMS > 0 else num_m * num_n
-    for tile in tl.range(tl.program_id(0), num_m * num_n, step, flatten=NUM_PROGRAMS > 0,
+    # persistent: each program walks the tiles NUM_PROGRAMS apart (`_tile_origin`'s order).
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    step = NUM_PROGRAMS if NUM_PROGRAMS > 0 else tiles
+    for tile in tl.range(tl.program_id(0), tiles, step, flatten=NUM_PROGRAMS > 0,
                          warp_specialize=WARP_SPECIALIZE):
-        first_m = tile // per_group * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % size_m) * BLOCK_M
-        off_n = (tile % per_group) // size_m * BLOCK_N
+        off_m, off_n = _tile_origin(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             acc = tl.dot(x_desc.load([off_m, k]), w_desc.load([off_n, k]).T, acc, input_precision=DOT_PREC)
