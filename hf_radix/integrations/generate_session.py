@@ -26,7 +26,7 @@ from ..paged_attention.forward_batch import ForwardBatch, StepRows
 from ..scheduling.row_tokens import host_inputs
 from .generate_hybrid import HybridSteps
 from .generate_rows import GenerateRows
-from .prefix_sharing import call_targets, reopen_followers
+from .prefix_sharing import SharingRound, call_targets, reopen_followers
 
 if TYPE_CHECKING:
     from ..engine import RadixEngine
@@ -186,8 +186,7 @@ class RadixGenerateCache(RadixCache):
             or ids.device != self.engine.device
         ):
             return
-        self._open_rows(ids, None, mask, ids.shape[1])
-        if call_targets(self.rows).targets:  # shared prefixes first: generate's own step runs the rest
+        if self._open_rows(ids, None, mask, ids.shape[1]).targets:  # a sharing round first: generate runs it
             self._ahead = (ids, None, None)
             return
         step = self.rows.step()
@@ -245,8 +244,9 @@ class RadixGenerateCache(RadixCache):
         embeds: torch.Tensor | None,
         mask: torch.Tensor | None,
         fresh: int,
-    ) -> None:
-        """Matches and locks each row's cached prefix (the first forward of the call)."""
+    ) -> SharingRound:
+        """Matches and locks each row's cached prefix (the first forward of the call); the call's first
+        sharing round (`prefix_sharing`), which the pool check counts with."""
         step = embeds if embeds is not None else input_ids
         size, width = step.shape[0], step.shape[1]
         ids, mask = host_inputs(None if embeds is not None else input_ids[:, width - fresh:], mask, fresh)
@@ -271,7 +271,9 @@ class RadixGenerateCache(RadixCache):
         if embeds is not None:
             self._embeds = [embeds[b, width - n:] for b, n in enumerate(lens)]
         self._logits_rows = self.rows.logits_rows()
-        self.rows.check_capacity(call_targets(self.rows).followers)
+        sharing = call_targets(self.rows)
+        self.rows.check_capacity(sharing.followers)
+        return sharing
 
     def _make_step(
         self, ends: dict[int, int] | None, logits: bool
