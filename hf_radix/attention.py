@@ -97,27 +97,28 @@ class TritonBackend:
 
 
 class InvariantBackend(TritonBackend):
-    """Deterministic mode: one batch-invariant kernel for every row, over whole contexts
-    (`kernels.triton_invariant_attention`), no splits along the keys; decode batches with a tile plan
-    (`paged_attention.grouped_decode`) read each group's prefix once per tile, with the same results
-    (`kernels.triton_grouped_decode`)."""
+    """Deterministic mode: extend and mixed batches run the batch-invariant kernel
+    (`kernels.triton_invariant_attention`), decode batches the same pieces of each context as programs of
+    their own (`kernels.triton_split_decode`), with the same results; a tile plan
+    (`paged_attention.grouped_decode`) computes a group's shared pieces once per tile of rows."""
 
     def __init__(self):
         super().__init__()
-        from .kernels import triton_grouped_decode, triton_invariant_attention
+        from .kernels import triton_invariant_attention, triton_split_decode
 
         self._invariant = triton_invariant_attention
-        self._grouped = triton_grouped_decode
+        self._split = triton_split_decode
 
     def reads_context(self, decode: bool, latent: bool) -> bool:
         return True
 
     def forward(self, q, k_new, v_new, k_cache, v_cache, batch, scaling, sliding_window, softcap, sinks=None):
-        tiles = batch.shared_prefix
-        if tiles is not None and batch.is_decode:
-            return self._grouped.grouped_decode_attention(
-                q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, tiles.rows, tiles.blocks, scaling,
-                sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+        if batch.is_decode:
+            tiles = batch.shared_prefix
+            return self._split.split_decode_attention(
+                q, k_cache, v_cache, batch.kv_indices, batch.kv_indptr, scaling, max_kv_len=batch.max_kv_len,
+                tiles=None if tiles is None else tiles.tables, sliding_window=sliding_window, softcap=softcap,
+                sinks=sinks,
             )
         return self._invariant.invariant_attention(
             q, k_cache, v_cache, batch.qo_indptr, batch.kv_indices, batch.kv_indptr, scaling,

@@ -150,6 +150,23 @@ def _paged_kv_visible(
 
 
 @triton.jit
+def _no_keys(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Online-softmax accumulators (acc, l, m) that have seen no key."""
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    return tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), tl.zeros([BLOCK_M], dtype=tl.float32), m_i
+
+
+@triton.jit
+def _merge_piece(acc, l_i, m_i, p_acc, p_l, p_m):
+    """Running online-softmax totals with one more piece's (fresh accumulators over its keys) merged in.
+    A piece that saw no key (``p_m = -1e30``, ``p_l = 0``, ``p_acc = 0``) leaves the totals as they are."""
+    m_new = tl.maximum(m_i, p_m)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(p_m - m_new)
+    return acc * alpha[:, None] + p_acc * beta[:, None], l_i * alpha + p_l * beta, m_new
+
+
+@triton.jit
 def _partial_rows(acc, l_i, m_i):
     """A split's normalized partial output rows and their log2-sum-exp (-inf where it saw no key)."""
     has = l_i > 0.0

@@ -1,14 +1,17 @@
-"""Batch-invariant paged attention: one kernel for decode and extend rows alike (deterministic mode).
+"""Batch-invariant paged attention of extend and mixed batches (deterministic mode).
 
-Every query (token, head) is computed by the same program shape, over its context read from the pool in
-key blocks aligned to absolute positions (``[0, BLOCK_N)``, ``[BLOCK_N, 2 BLOCK_N)``, ...), in one
-online-softmax pass, every block masked the same way. A query's result therefore depends on its own
-query vector and its context's K/V alone: not on the other rows of the batch, on how many of its context's
-tokens were cached or computed in this step, on the chunk it is in, nor on whether the step decodes.
-Blocks that a tile visits but a query does not see are exact no-ops for it (``p = 0``, ``alpha = 1``).
+Every query (token, head) is computed by the same program shape over its context read from the pool, cut
+into pieces at fixed absolute positions (``[0, PIECE)``, ``[PIECE, 2 PIECE)``, ...): each piece an
+online-softmax pass from fresh accumulators over key blocks aligned to absolute positions, every block
+masked the same way, the pieces merged in order by ``_merge_piece``. Decode batches compute the same pieces
+in programs of their own and merge them with the same helper (:mod:`.triton_split_decode`). A query's
+result therefore depends on its own query vector and its context's K/V alone: not on the other rows of the
+batch, on how many of its context's tokens were cached or computed in this step, on the chunk it is in, nor
+on whether the step decodes. Blocks (and pieces) that a tile visits but a query does not see are exact
+no-ops for it (``p = 0``, ``alpha = 1``).
 
 One program computes ``BLOCK_M`` (token, head) pairs of the query heads that share one KV head, as the
-extend kernel does, so decode rows cost a K/V read per KV head; there is no split along the keys.
+extend kernel does, walking its pieces in turn.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from .triton_attention_common import (
     _check_out,
     _dot_prec,
     _last_dim_contig,
+    _merge_piece,
+    _no_keys,
     _paged_kv_loop,
     _scales,
     _sinks_log2,
@@ -31,7 +36,11 @@ from .triton_attention_common import (
 )
 from .triton_extend import _tile_row
 
-__all__ = ["invariant_attention", "invariant_config"]
+__all__ = ["PIECE", "invariant_attention", "invariant_config"]
+
+# Keys a piece holds on the GPU: a multiple of both BLOCK_Ns; a lone 32K-token row splits into 32 programs a
+# KV head; fp32 partials of 16 bytes a context token a row (Dv 128, GQA 4) where decode stores them.
+PIECE = 1024
 
 
 @triton.jit(do_not_specialize=["window", "num_rows"])
@@ -41,7 +50,8 @@ def _invariant_kernel(
     stride_qt, stride_qh, stride_kct, stride_kch, stride_vct, stride_vch, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PREC: tl.constexpr,
+    PIECE: tl.constexpr, USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     # Grid (tiles, KV heads): tile -> (row, block of the row's (token, head) pairs), see `_tile_row`.
     kvh = tl.program_id(1)
@@ -68,30 +78,34 @@ def _invariant_kernel(
     q_tok = (tok0 + tok).to(tl.int64)
     q = tl.load(Q + q_tok[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    acc, l_i, m_i = _no_keys(BLOCK_M, BLOCK_DV)
 
     q_pos = prefix_len + tok
     hi = prefix_len + tl.minimum((m_start + BLOCK_M - 1) // GROUP + 1, new_len)
     lo = hi * 0
     if USE_WINDOW:
         lo = tl.maximum(prefix_len + m_start // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _paged_kv_loop(
-        acc, l_i, m_i, q, K_cache, V_cache, kv_indices + kv_start, lo, hi, 0, q_pos,
-        kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-        offs_n, offs_d, offs_dv, d_mask, dv_mask, True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+    # the context in pieces at multiples of PIECE, each from fresh accumulators, merged in order (as decode)
+    for start in range(lo // PIECE * PIECE, hi, PIECE):
+        p_acc, p_l, p_m = _no_keys(BLOCK_M, BLOCK_DV)
+        p_acc, p_l, p_m = _paged_kv_loop(
+            p_acc, p_l, p_m, q, K_cache, V_cache, kv_indices + kv_start, tl.maximum(lo, start),
+            tl.minimum(start + PIECE, hi), 0, q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch,
+            qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask,
+            True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, l_i, m_i = _merge_piece(acc, l_i, m_i, p_acc, p_l, p_m)
     _store_rows(acc, l_i, m_i, Out, Out, Out, Sinks, q_tok[:, None], q_tok, heads, m_mask, offs_dv, dv_mask,
                 0, stride_ot, stride_oh, 0, 0, 0, 0, 0, True, HAS_SINKS)
 
 
 def invariant_config(head_dim: int, device: torch.device) -> dict[str, int]:
-    """The one launch config of a head size on a device (every call of the mode uses it)."""
+    """The one launch config of a head size on a device (every call of the mode uses it); ``PIECE``, the
+    keys a piece of a context holds, is a multiple of ``BLOCK_N``."""
     if device.type != "cuda" or interpreting():
-        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "PIECE": 32, "num_warps": 4, "num_stages": 1}
     if triton.next_power_of_2(head_dim) <= 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "PIECE": PIECE, "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 32, "PIECE": PIECE, "num_warps": 4, "num_stages": 2}
 
 
 def invariant_attention(
