@@ -133,8 +133,13 @@ class RadixEngine:
         free, _ = torch.cuda.mem_get_info(device)
         kv_bound = min(self.max_context, free // shape.bytes_per_token(dtype))  # a row's longest context
         layers = self.state_pool.specs.values() if self.state_pool is not None else ()
+        piece = None
+        if options.deterministic:
+            from .kernels.triton_invariant_attention import invariant_config
+
+            piece = invariant_config(shape.head_dim, device)["PIECE"]
         return graph_memory_bytes(self.model, dtype, options.cuda_graph_max_batch, kv_bound,
-                                  state_layer_bytes=max((s.nbytes for s in layers), default=0))
+                                  state_layer_bytes=max((s.nbytes for s in layers), default=0), piece=piece)
 
     @property
     def device(self) -> torch.device:

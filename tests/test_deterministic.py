@@ -172,24 +172,34 @@ def _reference(q, k, v, group: int, window: int | None) -> torch.Tensor:
     return torch.einsum("hnl,lhd->nhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v)
 
 
+def _split_decode(slots, query, kc, vc, **kwargs) -> torch.Tensor:
+    """The decode kernels' output for one row (its last query) over context ``slots``."""
+    from hf_radix.kernels.triton_split_decode import split_decode_attention
+
+    indptr = torch.tensor([0, len(slots)], dtype=torch.int32)
+    return split_decode_attention(query[None], kc, vc, torch.tensor(slots), indptr, 0.3, **kwargs)[0]
+
+
 def check_attention(window: int | None = None) -> dict:
-    """Each token of a 37-token context alone (decode after a cached prefix), in one prefill, and in a
-    batch with other rows: bit-identical, and equal to the reference."""
+    """Each token of a 75-token context (three pieces of 32 keys) decoded alone after a cached prefix (by the
+    extend kernel and by the decode kernels), in one prefill, and in a batch with other rows: bit-identical,
+    and equal to the reference."""
     _row_uniform_dot()
     torch.manual_seed(0)
     kc, vc = torch.randn(200, 2, 16), torch.randn(200, 2, 16)
-    slots = torch.randperm(200)[:37].tolist()
-    q = torch.randn(37, 4, 16)
+    slots = torch.randperm(200)[:75].tolist()
+    q = torch.randn(75, 4, 16)
     kw = {"sliding_window": window}
-    whole = _attention([(slots, 37, q)], kc, vc, **kw)
+    whole = _attention([(slots, 75, q)], kc, vc, **kw)
     ref = _reference(q, kc[slots], vc[slots], 2, window)
     torch.testing.assert_close(whole, ref, atol=1e-5, rtol=1e-5)
-    for n in range(1, 38):
+    for n in range(1, 76):
         alone = _attention([(slots[:n], 1, q[:n])], kc, vc, **kw)
         assert torch.equal(alone[0], whole[n - 1]), n
+        assert torch.equal(_split_decode(slots[:n], q[n - 1], kc, vc, **kw), whole[n - 1]), n
     other = torch.randn(50, 4, 16)
     mixed = _attention([(list(range(50)), 20, other), (slots[:30], 9, q[:30]), (slots, 1, q)], kc, vc, **kw)
-    assert torch.equal(mixed[20:29], whole[21:30]) and torch.equal(mixed[29], whole[36])
+    assert torch.equal(mixed[20:29], whole[21:30]) and torch.equal(mixed[29], whole[74])
     return {"ok": True}
 
 
@@ -313,6 +323,7 @@ def check_runner() -> dict:
 CHECKS = {
     "attention": check_attention,
     "attention_window": lambda: check_attention(window=9),
+    "attention_long_window": lambda: check_attention(window=40),
     "row_mean": check_row_mean,
     "matmul": check_matmul,
     "runner": check_runner,

@@ -59,3 +59,46 @@ def test_linear_rows_identical_under_both_configs(n: int, k: int) -> None:
     torch.testing.assert_close(large, torch.nn.functional.linear(x, w, b), atol=2e-2, rtol=2e-2)
     for start, rows in ((0, 1), (7, 1), (100, SMALL_ROWS), (2999, 1), (1000, SMALL_ROWS + 1), (5, 777)):
         assert torch.equal(invariant_matmul(x[start : start + rows], w, b), large[start : start + rows])
+
+
+@pytest.mark.parametrize("group, head_dim, window", [(4, 128, None), (8, 64, 1500), (1, 80, None)])
+def test_split_decode_matches_extend_over_many_pieces(group: int, head_dim: int, window: int | None) -> None:
+    """Decode rows whose contexts span several pieces (a 2,600-token shared prefix: two whole shared pieces
+    and a boundary piece; a lone 20,000-token row), grouped in tiles, alone, and the same queries in a
+    prefill: bit-identical."""
+    import numpy as np
+
+    from hf_radix.kernels.triton_invariant_attention import invariant_attention
+    from hf_radix.kernels.triton_split_decode import split_decode_attention, tile_shape
+    from hf_radix.paged_attention.grouped_decode import build_decode_tiles
+
+    torch.manual_seed(group)
+    hkv, rows, shared = 2, 40, 2600
+    kw = {"sliding_window": window, "sinks": torch.randn(hkv * group, device="cuda")}
+    kc = torch.randn(60000, hkv, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    perm = torch.randperm(60000, device="cuda")
+    contexts = [perm[:shared].tolist() + perm[shared + 300 * i : shared + 300 * i + 1 + 7 * i].tolist()
+                for i in range(rows)]
+    contexts[-1] = perm[40000 - 20000 : 40000].tolist()  # a lone long row, sharing nothing
+    q = torch.randn(rows, hkv * group, head_dim, device="cuda", dtype=torch.bfloat16)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    kv = torch.tensor([s for c in contexts for s in c], device="cuda")
+    indptr = i32(np.cumsum([0] + [len(c) for c in contexts]).tolist())
+    extend = invariant_attention(q, kc, vc, i32(list(range(rows + 1))), kv, indptr, 0.3, **kw)
+    per_tile, piece = tile_shape(hkv * group, hkv, head_dim, q.device)
+    tables = build_decode_tiles(np.r_[np.zeros(rows - 1), -1], np.r_[np.full(rows - 1, shared), 0], per_tile,
+                                piece)
+    tiles = tuple(torch.from_numpy(t).cuda() for t in tables)
+    grouped = split_decode_attention(q, kc, vc, kv, indptr, 0.3, tiles=tiles, **kw)
+    assert torch.equal(grouped, extend)
+    assert torch.equal(split_decode_attention(q, kc, vc, kv, indptr, 0.3, **kw), extend)
+    for i in (0, 17, rows - 1):
+        alone = split_decode_attention(q[i : i + 1], kc, vc, torch.tensor(contexts[i], device="cuda"),
+                                       i32([0, len(contexts[i])]), 0.3, **kw)
+        assert torch.equal(alone[0], extend[i]), i
+        new = 333  # the row's query last of a prefill chunk
+        chunk = torch.cat([torch.randn(new - 1, *q.shape[1:], device="cuda", dtype=q.dtype), q[i : i + 1]])
+        prefill = invariant_attention(chunk, kc, vc, i32([0, new]), torch.tensor(contexts[i], device="cuda"),
+                                      i32([0, len(contexts[i])]), 0.3, **kw)
+        assert torch.equal(prefill[-1], extend[i]), i

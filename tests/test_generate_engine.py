@@ -149,6 +149,8 @@ def test_graph_memory_estimate_counts_static_buffers_and_the_largest_forward():
     activations = 256 * per_token + 256 * text.vocab_size * 6 + shared_partials
     assert estimate == static + 2 * activations + GRAPH_MEMORY_MARGIN
     assert graph_memory_bytes(model, torch.bfloat16, 64, 1024) < estimate
+    pieces = graph_memory_bytes(model, torch.bfloat16, 256, 1024, piece=128)  # deterministic: acc, l, m
+    assert pieces == estimate + 2 * 256 * 4 * (8 * (16 + 2) - MAX_PREFIX_SPLITS * (16 + 1)) * 4
 
 
 def test_pool_sized_from_free_memory_leaves_the_graph_reserve(monkeypatch):

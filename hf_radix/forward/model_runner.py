@@ -12,7 +12,7 @@ or rebuilds its core, and a released core refuses to run. `graph_memory_bytes` e
 graphs take, which the engine keeps out of a pool sized from free GPU memory.
 With `shared_prefix` (Triton attention, one device), decode steps whose rows share cached prefixes read
 each group's prefix once where the cost rule says so, in graphs and eagerly (`paged_attention.shared_decode`);
-in deterministic mode, in tiles whose rows get their per-row results (`paged_attention.grouped_decode`).
+in deterministic mode, tiles compute each group's shared pieces once (`paged_attention.grouped_decode`).
 """
 
 from __future__ import annotations
@@ -314,6 +314,7 @@ def graph_memory_bytes(
     extend_rows: int = EXTEND_GRAPH_ROWS,
     extend_tokens: int = EXTEND_GRAPH_TOKENS,
     state_layer_bytes: int = 0,
+    piece: int | None = None,
 ) -> int:
     """An estimate of the GPU memory a model runner's graphs take once every shape is captured.
 
@@ -322,7 +323,8 @@ def graph_memory_bytes(
     shared memory pool, which holds the largest captured forward's activations: per token the residual
     stream, the normed input, the attention projections and output, the MLP's gate, up and activation;
     the logits of every row (in the model's dtype and an fp32 upcast), the partial results of a
-    shared-prefix decode (`MAX_PREFIX_SPLITS` per query head); hybrid models: a state layer's states of
+    shared-prefix decode (`MAX_PREFIX_SPLITS` per query head), deterministic mode's (`piece`: the keys a piece
+    holds) a piece of `kv_bound` per query head; hybrid models: a state layer's states of
     every row three times (gathered, the layer's new ones, its output), `state_layer_bytes` a row. Twice
     that, for what the caching allocator rounds and keeps apart, plus `GRAPH_MEMORY_MARGIN`.
     """
@@ -335,7 +337,10 @@ def graph_memory_bytes(
     element = torch.empty((), dtype=dtype).element_size()
     tokens, rows = max(max_batch, extend_tokens), max(max_batch, extend_rows)
     per_token = element * (4 * hidden + 3 * inter + (heads + 2 * kv_heads) * head_dim)
-    shared_partials = max_batch * heads * MAX_PREFIX_SPLITS * (head_dim + 1) * 4
+    parts, values = (MAX_PREFIX_SPLITS, head_dim + 1)  # fp32 outputs and log-sum-exps
+    if piece is not None:
+        parts, values = -(-kv_bound // piece), head_dim + 2  # fp32 accumulators, sums and maxima
+    shared_partials = max_batch * heads * parts * values * 4
     activations = tokens * per_token + rows * text.vocab_size * (element + 4) + shared_partials
     activations += 3 * max_batch * state_layer_bytes
     static = static_buffer_bytes(max_batch, max_batch, kv_bound)
