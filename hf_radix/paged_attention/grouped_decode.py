@@ -110,8 +110,8 @@ class TileBuffers:
 class GroupedDecode(DecodePlanner):
     """Plans deterministic decode batches of one engine into tiles (static buffers for ``max_rows`` rows).
 
-    A plan exists where some tile shares a key block; otherwise the batch runs the per-row kernel (the
-    same results). ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
+    A plan exists where some tile shares a whole piece; otherwise every row's pieces run alone (the same
+    results). ``grow``: a batch past the capacity gets larger buffers (eager use; graphs keep theirs).
     ``captured``: the attention runs in CUDA graphs, which launch a tile a (padded) row.
     """
 
