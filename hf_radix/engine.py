@@ -17,7 +17,7 @@ from .errors import TrainingModeError
 from .forward.forward_context import attention_configs, radix_attention, radix_forward
 from .forward.fused_ops import fused_norm_and_rope
 from .forward.hybrid import hybrid_state_pool
-from .forward.invariant_ops import invariant_ops, refuse_deterministic
+from .forward.invariant_ops import invariant_ops, invariant_piece, refuse_deterministic
 from .forward.model_runner import ModelRunner, graph_memory_bytes
 from .forward.tensor_parallel import local_kv_shape, sync_tokens, tp_group
 from .memory.cache_manager import CacheManager
@@ -133,11 +133,7 @@ class RadixEngine:
         free, _ = torch.cuda.mem_get_info(device)
         kv_bound = min(self.max_context, free // shape.bytes_per_token(dtype))  # a row's longest context
         layers = self.state_pool.specs.values() if self.state_pool is not None else ()
-        piece = None
-        if options.deterministic:
-            from .kernels.triton_invariant_attention import invariant_config
-
-            piece = invariant_config(shape.head_dim, device)["PIECE"]
+        piece = invariant_piece(shape.head_dim, device) if options.deterministic else None
         return graph_memory_bytes(self.model, dtype, options.cuda_graph_max_batch, kv_bound,
                                   state_layer_bytes=max((s.nbytes for s in layers), default=0), piece=piece)
 
@@ -211,8 +207,7 @@ class RadixEngine:
 
     @property
     def fuses_norms(self) -> bool:
-        """Whether radix forwards run Llama-style norms and rotary embeddings as fused Triton kernels (exact
-        to fp32 rounding, a fraction of the launches; not for hybrid models yet: not all are Llama-style)."""
+        """Whether forwards run Llama-style norms and rotary as fused Triton kernels (not hybrids' yet)."""
         return (self.options.fused_ops and self.single_device and self.device.type == "cuda"
                 and self.backend.name == "triton" and not self.hybrid)
 

@@ -100,6 +100,13 @@ def invariant_ops(fused_model: torch.nn.Module | None = None) -> Iterator[None]:
         yield
 
 
+def invariant_piece(head_dim: int, device: torch.device) -> int:
+    """The keys a piece of deterministic attention holds at this head size on this device."""
+    from ..kernels.triton_invariant_attention import invariant_config
+
+    return invariant_config(head_dim, device)["PIECE"]
+
+
 def refuse_deterministic(model: torch.nn.Module, hybrid: bool, single_device: bool, latent: bool) -> None:
     """Raises ValueError where deterministic mode cannot hold: what this engine does not make invariant."""
     quantized = getattr(model, "hf_quantizer", None) is not None or (
