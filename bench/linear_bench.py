@@ -2,7 +2,7 @@
 
 For each weight shape and row count: cuBLAS `F.linear` (the default mode), 256-row cuBLAS products (the
 mode's earlier scheme, for reference), `invariant_matmul` as the mode runs it (`policy`: `linear_config`'s
-pick by row count) and under each candidate launch config; GPU time per
+pick by the call's shape) and under each candidate launch config; GPU time per
 call (replayed from a CUDA graph, median of repeats) and whether a row's bits are the same alone and at
 several places of a large call (`identical_rows`) and the same as under the mode's own pick
 (`identical_to_policy`).
@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import parser_for, say, write_result  # noqa: E402
 
-from hf_radix.kernels.triton_invariant_matmul import SMALL_ROWS, invariant_matmul, linear_config  # noqa: E402
+from hf_radix.kernels.triton_invariant_matmul import invariant_matmul, linear_config  # noqa: E402
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-ROWS = (1, 64, 256, 2048, 8192)
+ROWS = (1, 16, 64, 256, 2048, 8192)
 _SMS = 132
 CONFIGS = {
     "128x128x64_w8_s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
@@ -49,6 +49,8 @@ CONFIGS = {
     "64x128x128_w4_s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3),
     "64x32x64_w4_s6": dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=6),
     "32x64x64_w4_s5": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=5),
+    "tma_64x32x64_w4_s6": dict(TMA=True, BLOCK_M=64, BLOCK_N=32, BLOCK_K=64, GROUP_M=8, num_warps=4,
+                               num_stages=6),
 }
 
 
@@ -93,8 +95,7 @@ def bench_shape(name: str, n: int, k: int) -> dict:
     x_all = torch.randn(max(ROWS), k, device="cuda", dtype=torch.bfloat16)
     device = torch.device("cuda")
     shape: dict = {"n": n, "k": k, "ms": {}, "identical_rows": {},
-                   "policy": {size: linear_config(rows, torch.bfloat16, device)
-                              for size, rows in (("small", 1), ("large", SMALL_ROWS + 1))}}
+                   "policy": {m: linear_config(m, n, torch.bfloat16, device) for m in ROWS}}
     probe = x_all[5:6]
     reference = {}
     for c, cfg in list(CONFIGS.items()):
@@ -116,10 +117,10 @@ def bench_shape(name: str, n: int, k: int) -> dict:
         x = x_all[:m]
         calls = 10 if m * n <= 2**26 else 2  # a graph keeps every call's output
         row = {"cublas": ms(lambda x=x: F.linear(x, w), calls),
-               "chunked_256": ms(lambda x=x: chunked_256(x, w), calls),
-               "policy": ms(lambda x=x: invariant_matmul(x, w), calls)}
+               "chunked_256": ms(lambda x=x: chunked_256(x, w), calls)}
         for c, cfg in configs.items():
             row[c] = ms(lambda x=x, cfg=cfg: invariant_matmul(x, w, config=cfg), calls)
+        row["policy"] = ms(lambda x=x: invariant_matmul(x, w), calls)
         shape["ms"][m] = row
         best = min((v, c) for c, v in row.items() if c not in ("cublas", "chunked_256", "policy"))
         say(f"{name:8s} M={m:5d} cublas {row['cublas']:.3f} ms, 256-chunks {row['chunked_256']:.3f}, "

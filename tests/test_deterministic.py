@@ -112,6 +112,25 @@ def test_products_outside_linear_layers_are_refused() -> None:
         assert torch.nn.Linear(4, 5)(x).shape == (2, 3, 5)
 
 
+def test_linear_config_takes_the_largest_tiles_that_fill_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The product's launch config by shape, on Hopper-like candidates and 132 SMs (Llama-8B's shapes):
+    the largest tiles that give most SMs a tile, row tiles no taller than needed, few rows the narrow tile."""
+    from hf_radix.kernels import triton_invariant_matmul as matmul
+
+    wide, mid, narrow, thin = ({"name": name, "BLOCK_M": m, "BLOCK_N": n} for name, m, n in (
+        ("wide", 128, 256), ("mid", 128, 128), ("narrow", 64, 128), ("thin", 64, 32)))
+    monkeypatch.setattr(matmul, "candidate_configs", lambda dtype, device: (wide, mid, narrow, thin))
+    monkeypatch.setattr(matmul, "_sm_count", lambda device: 132)
+    cuda = torch.device("cuda")
+    picks = {(rows, columns): matmul.linear_config(rows, columns, torch.bfloat16, cuda)["name"]
+             for rows in (1, 16, 64, 256, 2048, 8192) for columns in (1024, 4096, 14336)}
+    assert {key for key, name in picks.items() if name == "narrow"} == {
+        (1, 1024), (1, 4096), (1, 14336), (16, 1024), (16, 4096), (16, 14336), (64, 14336), (256, 4096)}
+    assert {key for key, name in picks.items() if name == "thin"} == {(64, 1024), (64, 4096), (256, 1024)}
+    assert {key for key, name in picks.items() if name == "mid"} == {(2048, 1024)}
+    assert picks[256, 14336] == picks[8192, 1024] == picks[2048, 4096] == "wide"
+
+
 def test_mean_left_alone_where_triton_cannot_run() -> None:
     x = torch.randn(4, 6)
     with inv.invariant_ops():

@@ -46,10 +46,10 @@ def test_requests_identical_across_configurations() -> None:
 
 
 @pytest.mark.parametrize("n, k", [(512, 512), (1536, 512), (8192, 512), (384, 1536), (1000, 200)])
-def test_linear_rows_identical_under_both_configs(n: int, k: int) -> None:
-    """A row's product has the same bits in a decode-sized call (the small tiles) as in a prefill-sized one
-    (the large tiles, tensor-memory loads on Hopper), at any place of either."""
-    from hf_radix.kernels.triton_invariant_matmul import SMALL_ROWS, invariant_matmul
+def test_linear_rows_identical_under_every_config(n: int, k: int) -> None:
+    """A row's product has the same bits whatever launch config the call's shape picks (decode-sized and
+    prefill-sized calls, tensor-memory loads on Hopper) and under every candidate config, at any place."""
+    from hf_radix.kernels.triton_invariant_matmul import candidate_configs, invariant_matmul
 
     torch.manual_seed(0)
     x = torch.randn(3000, k, device="cuda", dtype=torch.bfloat16)
@@ -57,8 +57,11 @@ def test_linear_rows_identical_under_both_configs(n: int, k: int) -> None:
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
     large = invariant_matmul(x, w, b)
     torch.testing.assert_close(large, torch.nn.functional.linear(x, w, b), atol=2e-2, rtol=2e-2)
-    for start, rows in ((0, 1), (7, 1), (100, SMALL_ROWS), (2999, 1), (1000, SMALL_ROWS + 1), (5, 777)):
+    for start, rows in ((0, 1), (7, 1), (3, 16), (100, 64), (40, 200), (2999, 1), (1000, 257), (5, 777)):
         assert torch.equal(invariant_matmul(x[start : start + rows], w, b), large[start : start + rows])
+    for config in candidate_configs(torch.bfloat16, x.device):
+        assert torch.equal(invariant_matmul(x, w, b, config=config), large), config
+        assert torch.equal(invariant_matmul(x[9:10], w, b, config=config), large[9:10]), config
 
 
 @pytest.mark.parametrize("group, head_dim, window", [(4, 128, None), (8, 64, 1500), (1, 80, None)])

@@ -4,7 +4,7 @@ A GEMM library picks its kernel (tile shape, split along K) by the problem's sha
 round differently when the call holds 3 rows than when it holds 3,000. Here every output element is one
 program's fp32 accumulation over K in blocks of ``BLOCK_K``, in increasing order, with no split along K, so a
 row's result depends on that row and the weight only (deterministic mode's linear layers). The tile shape
-(`linear_config`) may follow the row count; the split of K never does.
+(`linear_config`) may follow the problem's shape; the split of K never does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import FP_FUSION, interpreting
 from .triton_attention_common import _dot_prec
 
-__all__ = ["SMALL_ROWS", "invariant_matmul", "linear_config"]
+__all__ = ["FEW_ROWS", "candidate_configs", "invariant_matmul", "linear_config"]
 
 
 @triton.jit
@@ -87,31 +87,49 @@ def _matmul_tma_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
-SMALL_ROWS = 256  # products of up to this many rows (decode steps) take a config of smaller tiles
+FEW_ROWS = 16  # products of up to this many rows (small decode steps) take the last-but-one candidate
+_FILL = 0.8  # a tile shape fills the GPU when it gives at least this share of the SMs a tile
 
 
 @functools.cache
-def _configs(dtype: torch.dtype, device: torch.device) -> tuple[dict, dict]:
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def candidate_configs(dtype: torch.dtype, device: torch.device) -> tuple[dict, ...]:
+    """The launch configs `linear_config` picks from, largest tiles first; all split K alike."""
     if device.type != "cuda" or interpreting():
-        tiny = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 1}
-        return tiny, tiny
+        return ({"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 4, "num_warps": 4, "num_stages": 1},)
     if dtype == torch.float32:
-        fp32 = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
-        return fp32, fp32
-    small = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    large = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
-    if torch.cuda.get_device_capability(device)[0] >= 9:  # tensor-memory loads, persistent, warp-specialized
-        programs = torch.cuda.get_device_properties(device).multi_processor_count
-        large = {**large, "BLOCK_N": 256, "TMA": True, "NUM_PROGRAMS": programs, "WARP_SPECIALIZE": True}
-    return small, large
+        return ({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},)
+    big = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    narrow = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    thin = {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6}
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return big, narrow, thin
+    # Hopper: tensor-memory loads; the largest tiles persistent and warp-specialized (bench/linear_bench.py)
+    wide = {**big, "BLOCK_N": 256, "TMA": True, "NUM_PROGRAMS": _sm_count(device), "WARP_SPECIALIZE": True}
+    return wide, {**big, "num_stages": 4, "TMA": True}, {**narrow, "TMA": True}, thin
 
 
-def linear_config(rows: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The launch config of a product of `rows` rows. The two configs (up to `SMALL_ROWS` rows, more) split
-    K alike, so each output element accumulates the same products in the same order under either: a row's
-    bits do not depend on the config (tests/test_deterministic_gpu.py and bench/linear_bench.py check it)."""
-    small, large = _configs(dtype, device)
-    return small if rows <= SMALL_ROWS else large
+def linear_config(rows: int, columns: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The launch config of a product of `rows` rows and `columns` output columns: the largest tiles that
+    still give most SMs a tile (row tiles no taller than the rows need), the most tiles where none does;
+    `FEW_ROWS` rows or fewer take the last-but-one candidate. Every candidate splits K alike, so each output
+    element accumulates the same products in the same order under any of them: a row's bits do not depend on
+    the pick (tests/test_deterministic_gpu.py and bench/linear_bench.py check it)."""
+    configs = candidate_configs(dtype, device)
+    if len(configs) == 1:
+        return configs[0]
+    if rows <= FEW_ROWS:
+        return configs[-2]
+    fitting = [c for c in configs if c["BLOCK_M"] <= max(rows, 64)]
+    tiles = [triton.cdiv(rows, c["BLOCK_M"]) * triton.cdiv(columns, c["BLOCK_N"]) for c in fitting]
+    for config, count in zip(fitting, tiles):
+        if count >= _FILL * _sm_count(device):
+            return config
+    return fitting[tiles.index(max(tiles))]
 
 
 def invariant_matmul(
@@ -136,7 +154,7 @@ def invariant_matmul(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not (m and n):
         return out.view(*x.shape[:-1], n)
-    cfg = dict(config if config is not None else linear_config(m, weight.dtype, x.device))
+    cfg = dict(config if config is not None else linear_config(m, n, weight.dtype, x.device))
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     common = dict(HAS_BIAS=bias is not None, DOT_PREC=_dot_prec(x.dtype), enable_fp_fusion=FP_FUSION)
     bias_arg = bias if bias is not None else out
