@@ -7,10 +7,11 @@ their prefixes, with 256-token prefill chunks; pages of 16 in a pool small enoug
 overlap; and radix `generate` (the greedy ones, one at a time). A request counts as identical when its
 tokens and its log-likelihood are bit-identical in every configuration (1.0 expected).
 
-Part 2 (cost, deterministic time / default time, steady runs after a warm-up run): `gsp_cost` on gsp-8x32
-(bench/gsp.py: 8 groups x 32 prompts, 2,048-token shared prefix + 256-token question, 64 new tokens) and
-`score_cost` on 5-shot-like scoring (bench/score_bench.py's workload). Llama-3.1-8B shape, random bf16
-weights, on a CUDA device. tests/test_deterministic_gpu.py runs part 1 on a small model.
+Part 2 (cost, deterministic time / default time, the median of 3 steady runs after a warm-up run):
+`gsp_cost` on gsp-8x32 (bench/gsp.py: 8 groups x 32 prompts, 2,048-token shared prefix + 256-token
+question, 64 new tokens) and `score_cost` on 5-shot-like scoring (bench/score_bench.py's workload).
+Llama-3.1-8B shape, random bf16 weights, on a CUDA device. tests/test_deterministic_gpu.py runs part 1 on
+a small model.
 """
 
 from __future__ import annotations
@@ -134,18 +135,22 @@ def identical(results: dict) -> list[bool]:
     return same
 
 
-def _cost(model, device: str, make, work) -> dict:
-    """Steady-run seconds of `work(runner)` with the mode off and on (each after a warm-up run)."""
-    seconds = {}
+def _cost(model, device: str, make, work, runs: int = 3) -> dict:
+    """Seconds of `work(runner)` with the mode off and on: the median of `runs` steady runs (each on an empty
+    cache) after a warm-up run on other prompts (the first run)."""
+    seconds: dict[bool, list[float]] = {}
     first: dict[bool, float] = {}
     for det in (False, True):
         runner = RadixBatchRunner(model, deterministic=det, max_total_tokens=200_000)
         first[det] = timed(lambda r=runner: work(r, make(1)), device)[0]
-        runner.reset_cache()
-        seconds[det] = timed(lambda r=runner: work(r, make(0)), device)[0]
+        seconds[det] = []
+        for _ in range(runs):
+            runner.reset_cache()
+            seconds[det].append(timed(lambda r=runner: work(r, make(0)), device)[0])
         runner.check_integrity()
-    default, det = seconds[False], seconds[True]
+    default, det = (sorted(seconds[mode])[runs // 2] for mode in (False, True))
     return {"default_s": default, "deterministic_s": det, "cost": det / default,
+            "default_runs_s": seconds[False], "deterministic_runs_s": seconds[True],
             "default_first_run_s": first[False], "deterministic_first_run_s": first[True]}
 
 
