@@ -27,6 +27,7 @@ from .memory.placement import (
     PlacedKVPool,
     hidden_output_device,
     is_dispatched,
+    kv_devices,
     make_kv_pool,
     pool_devices,
     require_one_device,
@@ -64,13 +65,15 @@ class RadixEngine:
         self.backend = make_backend(self.options.attn_backend, device, self.options.deterministic)
         # hybrid models: the state layers' per-request states, in a pool allocated before the K/V pool
         self.hybrid = hybrid_model_type(model) is not None
-        self.state_pool = (
-            hybrid_state_pool(model, self.options, shape, dtype, device, self.tp_group is not None)
-            if self.hybrid else None
-        )
+        devices = kv_devices(model, shape.num_layers, device)
+        if self.options.deterministic:  # before any memory is taken
+            one_device = set(devices) == {device} and self.tp_group is None
+            refuse_deterministic(model, self.hybrid, one_device, shape.latent)
+        self.state_pool = hybrid_state_pool(model, self.options, shape, dtype, device,
+                                            self.tp_group is not None) if self.hybrid else None
         self.graph_reserve = self._graph_reserve(shape, dtype, device)
         self.pool, num_pages = make_kv_pool(
-            model, shape, dtype, device, page_size, self.options.max_total_tokens,
+            devices, shape, dtype, device, page_size, self.options.max_total_tokens,
             self.options.mem_fraction, self.options.store_backend, self.tp_group, self.graph_reserve,
         )
         self.output_device = hidden_output_device(model, device) if is_dispatched(model) else device
@@ -87,8 +90,6 @@ class RadixEngine:
             states = host_state_slots(self.state_pool, host_tokens // page_size, kv_bytes)
             self.host_tier = HostTier(self.pool, host_tokens, state_slots=states)
             self.host_tier.attach(self.manager)
-        if self.options.deterministic:
-            refuse_deterministic(model, self.hybrid, self.single_device, shape.latent)
         _announce_pool(self.pool, self.pool_tokens, self.options, self.graph_reserve)
         self.stats = RadixStats()
         self._model_runner: ModelRunner | None = None
@@ -309,9 +310,8 @@ class RadixEngine:
             torch.cuda.empty_cache()
 
 
-def _announce_pool(
-    pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions, reserve: int = 0
-) -> None:
+def _announce_pool(pool: KVPool | PlacedKVPool, tokens: int, options: EngineOptions,
+                   reserve: int = 0) -> None:
     """Says how much memory the pool took and how to size it: a WARNING, once, unless sized by hand on CPU."""
     if options.max_total_tokens is not None:
         sized_by = f"max_total_tokens={options.max_total_tokens:,}"

@@ -63,6 +63,24 @@ def test_quantized_models_are_refused_before_any_forward(monkeypatch: pytest.Mon
     assert not forwards
 
 
+def test_several_devices_are_refused_before_any_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose layers accelerate placed on two devices: refused before a state or K/V pool is made."""
+    from types import SimpleNamespace
+
+    import hf_radix
+    from hf_radix import attention, engine
+    from hf_radix.tiny import tiny_model
+
+    monkeypatch.setattr(attention, "triton_runs_on", lambda t: True)  # past the backend's own refusal
+    pools: list[int] = []
+    monkeypatch.setattr(engine, "make_kv_pool", lambda *a, **k: pools.append(1))
+    model = tiny_model("llama", num_hidden_layers=2)
+    model.model.layers[1]._hf_hook = SimpleNamespace(execution_device=torch.device("cuda", 1))  # named only
+    with pytest.raises(ValueError, match="several devices"):
+        hf_radix.configure(model, deterministic=True, attn_backend="triton")
+    assert not pools
+
+
 def test_configure_refuses_off_triton() -> None:
     import hf_radix
     from hf_radix.tiny import tiny_model

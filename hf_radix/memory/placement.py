@@ -231,8 +231,15 @@ def placed_pool_tokens(
     )
 
 
+def kv_devices(model: torch.nn.Module, num_layers: int, default_device: torch.device) -> list[torch.device]:
+    """The device of each layer's K/V: where accelerate dispatched the layer, else `default_device`."""
+    if is_dispatched(model):
+        return layer_devices(model, num_layers, default_device)
+    return [default_device] * num_layers
+
+
 def make_kv_pool(
-    model: torch.nn.Module,
+    devices: list[torch.device],
     shape: KVShape,
     dtype: torch.dtype,
     default_device: torch.device,
@@ -245,15 +252,10 @@ def make_kv_pool(
 ) -> tuple[KVPool | PlacedKVPool, int]:
     """The engine's pool (one page past `num_pages`, for padded graph rows) and its number of managed pages.
 
-    A model whose layers accelerate dispatched to other devices than `default_device` gets a
-    `PlacedKVPool`; others one `KVPool` on `default_device`. With a (tensor-parallel) `group`, every rank
-    takes the smallest rank's capacity, so all make the same scheduling decisions.
+    Layers on other `devices` (`kv_devices`) than `default_device` get a `PlacedKVPool`; otherwise one
+    `KVPool` on `default_device`. With a (tensor-parallel) `group`, every rank takes the smallest rank's
+    capacity, so all make the same scheduling decisions.
     """
-    dispatched = is_dispatched(model)
-    if dispatched:
-        devices = layer_devices(model, shape.num_layers, default_device)
-    else:
-        devices = [default_device] * shape.num_layers
     tokens = placed_pool_tokens(
         shape, dtype, devices, page_size, max_total_tokens, mem_fraction, reserve_bytes
     )
