@@ -26,7 +26,7 @@ from hf_radix.kernels.triton_invariant_matmul import invariant_matmul, linear_co
 
 SHAPES = {"q/o": (4096, 4096), "k/v": (1024, 4096), "gate/up": (14336, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
-ROWS = (1, 16, 64, 256, 2048, 8192)
+ROWS = (1, 8, 16, 64, 256, 2048, 8192)
 _SMS = 132
 CONFIGS = {
     "128x128x64_w8_s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),

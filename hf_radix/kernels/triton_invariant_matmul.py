@@ -87,7 +87,7 @@ def _matmul_tma_kernel(
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
 
 
-FEW_ROWS = 16  # products of up to this many rows (small decode steps) take the last-but-one candidate
+FEW_ROWS = 8  # products of up to this many rows (small decode steps) take the last-but-one candidate
 _FILL = 0.8  # a tile shape fills the GPU when it gives at least this share of the SMs a tile
 
 
