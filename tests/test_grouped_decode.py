@@ -71,9 +71,9 @@ def _per_row(contexts, q, kc, vc, cfg, **kw) -> torch.Tensor:
 def check_kernel(group: int, head_dim: int, shared: int, page: int = 1, window: int | None = None,
                  softcap: float | None = None, sinks: bool = False, config: dict | None = None) -> dict:
     """16 decode rows of 1 to about 200 keys, sharing ``shared`` positions: grouped (as the planner tiles
-    them), each alone, in no tile, each at every place of a tile of others, and the shared pieces computed
-    by tiles of one row, all bit-identical to the extend kernel's (its tiles at other places, other pieces
-    merged beside) and to each row's own extend result."""
+    them), each alone, in no tile, each at a tile's first, second, middle and last place among others, and
+    the shared pieces computed by tiles of one row, all bit-identical to the extend kernel's (its tiles at
+    other places, other pieces merged beside) and to each row's own extend result."""
     from hf_radix.kernels.triton_invariant_attention import invariant_config
 
     _row_uniform_dot()
@@ -103,7 +103,7 @@ def check_kernel(group: int, head_dim: int, shared: int, page: int = 1, window: 
                                cfg, **kw), ref)
     for i in (0, 3):
         others = [r for r in range(rows) if r != i][: per_tile - 1]
-        for place in range(per_tile):
+        for place in sorted({0, 1, per_tile // 2, per_tile - 1} & set(range(per_tile))):  # edges and middle
             tile = others[:place] + [i] + others[place:]
             rest = [r for r in range(rows) if r not in tile]
             table = np.full((1 + len(rest), per_tile), -1)
