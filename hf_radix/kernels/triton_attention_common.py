@@ -157,6 +157,23 @@ def _no_keys(BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
 
 
 @triton.jit
+def _piece(
+    q, K_cache, V_cache, kv_idx_ptr, lo, hi, q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch,
+    qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask,
+    USE_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One piece of deterministic attention: keys [lo, hi) of a context from fresh accumulators (acc, l,
+    m), every block masked. The extend and the decode kernels compute a piece through this one function,
+    so a row's piece is the same arithmetic in either."""
+    acc, l_i, m_i = _no_keys(BLOCK_M, BLOCK_DV)
+    return _paged_kv_loop(
+        acc, l_i, m_i, q, K_cache, V_cache, kv_idx_ptr, lo, hi, 0, q_pos, kvh, stride_kct, stride_kch,
+        stride_vct, stride_vch, qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask,
+        True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+
+
+@triton.jit
 def _merge_piece(acc, l_i, m_i, p_acc, p_l, p_m):
     """Running online-softmax totals with one more piece's (fresh accumulators over its keys) merged in.
     A piece that saw no key (``p_m = -1e30``, ``p_l = 0``, ``p_acc = 0``) leaves the totals as they are."""

@@ -28,7 +28,7 @@ from .triton_attention_common import (
     _last_dim_contig,
     _merge_piece,
     _no_keys,
-    _paged_kv_loop,
+    _piece,
     _scales,
     _sinks_log2,
     _store_rows,
@@ -87,12 +87,11 @@ def _invariant_kernel(
         lo = tl.maximum(prefix_len + m_start // GROUP - window + 1, 0) // BLOCK_N * BLOCK_N
     # the context in pieces at multiples of PIECE, each from fresh accumulators, merged in order (as decode)
     for start in range(lo // PIECE * PIECE, hi, PIECE):
-        p_acc, p_l, p_m = _no_keys(BLOCK_M, BLOCK_DV)
-        p_acc, p_l, p_m = _paged_kv_loop(
-            p_acc, p_l, p_m, q, K_cache, V_cache, kv_indices + kv_start, tl.maximum(lo, start),
-            tl.minimum(start + PIECE, hi), 0, q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch,
-            qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask,
-            True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        p_acc, p_l, p_m = _piece(
+            q, K_cache, V_cache, kv_indices + kv_start, tl.maximum(lo, start), tl.minimum(start + PIECE, hi),
+            q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
+            offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_DV,
+            DOT_PREC)
         acc, l_i, m_i = _merge_piece(acc, l_i, m_i, p_acc, p_l, p_m)
     _store_rows(acc, l_i, m_i, Out, Out, Out, Sinks, q_tok[:, None], q_tok, heads, m_mask, offs_dv, dv_mask,
                 0, stride_ot, stride_oh, 0, 0, 0, 0, 0, True, HAS_SINKS)

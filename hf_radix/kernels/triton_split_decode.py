@@ -31,7 +31,7 @@ from .triton_attention_common import (
     _last_dim_contig,
     _merge_piece,
     _no_keys,
-    _paged_kv_loop,
+    _piece,
     _scales,
     _sinks_log2,
     _sm_count,
@@ -103,12 +103,10 @@ def _tile_pieces_kernel(
         lo = tl.min(tl.where(m_mask, _window_block(q_pos, window, BLOCK_N), pieces * PIECE), 0)
     for piece in range(lane, pieces, lanes):
         start = piece * PIECE
-        acc, l_i, m_i = _no_keys(BLOCK_M, BLOCK_DV)
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, slots, tl.maximum(lo, start), start + PIECE, 0, q_pos,
-            kvh, stride_kct, stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window,
-            offs_n, offs_d, offs_dv, d_mask, dv_mask, True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N,
-            DOT_PREC)
+        acc, l_i, m_i = _piece(
+            q, K_cache, V_cache, slots, tl.maximum(lo, start), start + PIECE, q_pos, kvh, stride_kct,
+            stride_kch, stride_vct, stride_vch, qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask,
+            dv_mask, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_M, BLOCK_N, BLOCK_DV, DOT_PREC)
         _store_piece(acc, l_i, m_i, Part_acc, Part_l, Part_m, rows, heads, piece, m_mask, offs_dv,
                      stride_pr, stride_ph, stride_pp, stride_lr, stride_lh)
 
@@ -164,12 +162,11 @@ def _row_pieces_kernel(
         lo = _window_block(kv_len - 1, window, BLOCK_N)
     for piece in range(first + lane, tl.cdiv(kv_len, PIECE), lanes):
         start = piece * PIECE
-        acc, l_i, m_i = _no_keys(BLOCK_M, BLOCK_DV)
-        acc, l_i, m_i = _paged_kv_loop(
-            acc, l_i, m_i, q, K_cache, V_cache, kv_indices + kv_start, tl.maximum(lo, start),
-            tl.minimum(start + PIECE, kv_len), 0, q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch,
-            qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask,
-            True, True, USE_WINDOW, SOFTCAP, EVEN_D, BLOCK_N, DOT_PREC)
+        acc, l_i, m_i = _piece(
+            q, K_cache, V_cache, kv_indices + kv_start, tl.maximum(lo, start),
+            tl.minimum(start + PIECE, kv_len), q_pos, kvh, stride_kct, stride_kch, stride_vct, stride_vch,
+            qk_scale, cap_scale, window, offs_n, offs_d, offs_dv, d_mask, dv_mask, USE_WINDOW, SOFTCAP,
+            EVEN_D, BLOCK_M, BLOCK_N, BLOCK_DV, DOT_PREC)
         _store_piece(acc, l_i, m_i, Part_acc, Part_l, Part_m, rows, heads, piece, m_mask, offs_dv,
                      stride_pr, stride_ph, stride_pp, stride_lr, stride_lh)
 
