@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import FP_FUSION, interpreting
-from .triton_attention_common import _dot_prec
+from .triton_attention_common import _dot_prec, _sm_count
 
 __all__ = ["FEW_ROWS", "candidate_configs", "invariant_matmul", "linear_config"]
 
@@ -89,11 +89,6 @@ def _matmul_tma_kernel(
 
 FEW_ROWS = 8  # products of up to this many rows (small decode steps) take the last-but-one candidate
 _FILL = 0.8  # a tile shape fills the GPU when it gives at least this share of the SMs a tile
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @functools.cache
