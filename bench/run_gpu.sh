@@ -3,7 +3,7 @@
 # log. Every benchmark starts with an empty Triton cache (its first run is a fresh process's: nothing compiled
 # by an earlier one). Result files record the command and the git commit: where the copy of the tree has no
 # .git, pass the commit in, e.g. `HF_RADIX_COMMIT=$(git rev-parse HEAD)` expanded on the machine that has it.
-# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profilehybrid] [profiledecode] [profiledet] [profilegsp] [linear] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [deterministic] [warm] [chat] [rl] [warmtests] [hybrid]
+# Usage on the device machine: bash bench/run_gpu.sh [tests] [profile] [profilehybrid] [profiledecode] [profiledet] [profilegsp] [linear] [attention] [sampling] [sharedprefix] [chatnotier] [gsp] [generate] [score] [deterministic] [warm] [chat] [rl] [warmtests] [hybrid]
 # Hybrid models need transformers >= 5.24 and run faster with flash-linear-attention: carry their wheels
 # (bench/README.md) and put them first on PYTHONPATH before calling this script.
 # Results kept: copy $OUT/<name>.json and .log to bench/results/<name>_h200.{json,log} (see bench/README.md).
@@ -22,6 +22,7 @@ for step in "$@"; do
       timeout 200 python3 bench/profile_runs.py --part gsp $flag --json "$OUT/profile_gsp_$mode.json" 2>&1 | tee "$OUT/profile_gsp_$mode.log"; done ;;
     profiledet) timeout 250 python3 bench/profile_runs.py --deterministic --questions 64 --json "$OUT/profile_deterministic.json" 2>&1 | tee "$OUT/profile_deterministic.log" ;;
     linear) timeout 200 python3 bench/linear_bench.py --json "$OUT/linear.json" 2>&1 | tee "$OUT/linear.log" ;;
+    attention) timeout 200 python3 bench/invariant_attention_bench.py --json "$OUT/invariant_attention.json" 2>&1 | tee "$OUT/invariant_attention.log" ;;
     profiledecode) timeout 200 python3 bench/profile_runs.py --part decode --json "$OUT/profile_decode.json" 2>&1 | tee "$OUT/profile_decode.log" ;;
     gsp) timeout 300 python3 bench/gsp.py --groups16 --generate --json "$OUT/gsp.json" 2>&1 | tee "$OUT/gsp.log" ;;
     generate) timeout 240 python3 bench/generate_bench.py --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate.log" ;;
