@@ -43,7 +43,8 @@ def _case(rows: int, new: int, prefix: int, seed: int) -> dict:
     kc = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     vc = torch.randn(slots, HKV, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     perm = torch.randperm(slots, device="cuda", generator=gen)
-    contexts = [torch.cat([perm[:prefix], perm[prefix + i * new : prefix + (i + 1) * new]]) for i in range(rows)]
+    own = perm[prefix:].view(rows, new)
+    contexts = [torch.cat([perm[:prefix], own[i]]) for i in range(rows)]
     q = torch.randn(rows * new, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     return {"q": q, "kc": kc, "vc": vc, "qo": _i32(np.arange(rows + 1) * new), "kv": torch.cat(contexts),
             "kv_indptr": _i32(np.arange(rows + 1) * (prefix + new)), "contexts": contexts, "new": new,
@@ -89,7 +90,7 @@ def main() -> None:
         try:
             for c, cur in zip(cases, current):
                 out = _extend(c, cfg)
-                ms = triton.testing.do_bench(lambda c=c: _extend(c, cfg), warmup=10, rep=50)
+                ms = triton.testing.do_bench(lambda c=c, cfg=cfg: _extend(c, cfg), warmup=10, rep=50)
                 point[c["label"]] = {"ms": ms, **_checks(c, cfg, out, cur)}
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             point["error"] = f"{type(exc).__name__}: {exc}"[:300]

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 compiler = pytest.importorskip("triton.compiler")
 backends = pytest.importorskip("triton.backends.compiler")
 
-from hf_radix.kernels import FP_FUSION, triton_attention_common, triton_decode, triton_extend  # noqa: E402
+from hf_radix.kernels import FP_FUSION, triton_decode, triton_extend, triton_split_merge  # noqa: E402
 
 pytestmark = pytest.mark.slow  # kernels alone: no transformers version changes them
 
@@ -78,7 +78,7 @@ def test_decode_kernels_compile_for_sm90(direct: bool):
     stage1 = _compile(triton_decode._decode_stage1_kernel, pointers, constexprs, num_warps=4, num_stages=3)
     assert stage1.asm["cubin"]
     reduce = _compile(
-        triton_attention_common._merge_splits_kernel,
+        triton_split_merge._merge_splits_kernel,
         {"Mid_o": "*fp32", "Mid_lse": "*fp32", "Out": "*bf16", "Sinks": "*fp32"},
         dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16, BLOCK_H=16, HAS_SINKS=True), num_warps=4, num_stages=1,
     )

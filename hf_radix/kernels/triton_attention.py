@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from .triton_attention_common import pick_num_kv_splits
 from .triton_decode import decode_attention, decode_config
 from .triton_extend import extend_attention, extend_config
+from .triton_split_merge import pick_num_kv_splits
 
 __all__ = ["extend_attention", "decode_attention", "pick_num_kv_splits", "kernel_configs"]
 

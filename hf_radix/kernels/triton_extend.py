@@ -28,17 +28,15 @@ from .triton_attention_common import (
     _last_dim_contig,
     _launch,
     _load_kv,
-    _merge_splits,
     _paged_kv_loop,
     _paged_kv_visible,
     _scales,
     _sinks_log2,
     _sm_count,
-    _split_buffers,
     _store_rows,
     _window,
-    pick_num_kv_splits,
 )
+from .triton_split_merge import _merge_splits, _split_buffers, pick_num_kv_splits
 
 __all__ = ["extend_attention"]
 

@@ -49,13 +49,13 @@ from .triton_attention_common import (
     _dot_prec,
     _last_dim_contig,
     _launch,
-    _merge_splits,
     _scales,
     _sinks_log2,
     _window,
 )
 from .triton_decode import decode_config
 from .triton_shared_prefix_kernels import _shared_prefix_fused_kernel, _shared_prefix_tile_kernel
+from .triton_split_merge import _merge_splits
 
 __all__ = ["MODES", "shared_prefix_attention", "tile_config"]
 
