@@ -103,7 +103,8 @@ def invariant_config(head_dim: int, device: torch.device) -> dict[str, int]:
     if device.type != "cuda" or interpreting():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "PIECE": 32, "num_warps": 4, "num_stages": 1}
     if triton.next_power_of_2(head_dim) <= 128:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "PIECE": PIECE, "num_warps": 4, "num_stages": 2}
+        # three stages: the same arithmetic as two, 1.4x faster on gsp's shapes (invariant_attention_bench)
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "PIECE": PIECE, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 64, "BLOCK_N": 32, "PIECE": PIECE, "num_warps": 4, "num_stages": 2}
 
 
