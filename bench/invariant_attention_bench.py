@@ -51,18 +51,14 @@ def _case(rows: int, new: int, prefix: int, seed: int) -> dict:
             "rows": rows, "label": f"{rows}x{new} new behind {prefix}"}
 
 
-def _config(bm: int, bn: int, warps: int, stages: int) -> dict[str, int]:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "PIECE": invariant_config(D, torch.device("cuda"))["PIECE"],
-            "num_warps": warps, "num_stages": stages}
-
-
 def _extend(c: dict, cfg: dict[str, int]) -> torch.Tensor:
     return invariant_attention(c["q"], c["kc"], c["vc"], c["qo"], c["kv"], c["kv_indptr"], 0.088, config=cfg)
 
 
-def _checks(c: dict, cfg: dict[str, int], out: torch.Tensor, current: torch.Tensor) -> dict[str, bool]:
+def _checks(c: dict, cfg: dict[str, int], out: torch.Tensor, current_cfg: dict[str, int],
+            current: torch.Tensor) -> dict[str, bool]:
     last = c["qo"][1:].long() - 1
-    decode_cfg = dict(invariant_config(D, torch.device("cuda")), BLOCK_N=cfg["BLOCK_N"])
+    decode_cfg = dict(current_cfg, BLOCK_N=cfg["BLOCK_N"])
     decode = split_decode_attention(c["q"][last], c["kc"], c["vc"], c["kv"], c["kv_indptr"], 0.088,
                                     config=decode_cfg)
     alone = []
@@ -73,7 +69,7 @@ def _checks(c: dict, cfg: dict[str, int], out: torch.Tensor, current: torch.Tens
             one = invariant_attention(c["q"][tok : tok + 1], c["kc"], c["vc"], _i32([0, 1]), ctx,
                                       _i32([0, len(ctx)]), 0.088, config=cfg)
             alone.append(torch.equal(one[0], out[tok]))
-    same_block = cfg["BLOCK_N"] == invariant_config(D, torch.device("cuda"))["BLOCK_N"]
+    same_block = cfg["BLOCK_N"] == current_cfg["BLOCK_N"]
     return {"matches_decode": torch.equal(decode, out[last]), "position_invariant": all(alone),
             "identical_to_current": torch.equal(out, current) if same_block else None}
 
@@ -85,13 +81,13 @@ def main() -> None:
     current = [_extend(c, current_cfg) for c in cases]
     points = []
     for bm, bn, warps, stages in CANDIDATES:
-        cfg = _config(bm, bn, warps, stages)
+        cfg = dict(current_cfg, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
         point: dict = {"config": cfg}
         try:
             for c, cur in zip(cases, current):
                 out = _extend(c, cfg)
                 ms = triton.testing.do_bench(lambda c=c, cfg=cfg: _extend(c, cfg), warmup=10, rep=50)
-                point[c["label"]] = {"ms": ms, **_checks(c, cfg, out, cur)}
+                point[c["label"]] = {"ms": ms, **_checks(c, cfg, out, current_cfg, cur)}
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             point["error"] = f"{type(exc).__name__}: {exc}"[:300]
         say(str(point))
